@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test` (each installs first).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST := $(BIN)/python -m pytest
+N ?= 2000
+SEED ?= 0
+
+.PHONY: install demo test test-long bench lint fuzz clean
+
+install: $(VENV)/.installed
+
+# torch==2.13.0 first: it is the CPU build on these machines; the package's own range then
+# installs nothing more (no CUDA wheels).
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+test: install
+	$(PYTEST) -q tests
+
+test-long: install
+	$(PYTEST) -q -m long tests
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

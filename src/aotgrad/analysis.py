@@ -1,0 +1,195 @@
+"""Stage 2 — analysis: read what the program did off its functional tensors.
+
+These functions run inside the single trace (capture.py), right after the user's forward returns
+and before the backward is traced, because the answers decide which values need tangents. Each one
+looks at `FunctionalTensor`s (the functionalization wrappers the program ran on) and returns plain
+data from plan.py.
+
+Example: for `def f(a): a.mul_(2); return a.view(-1)`, `input_mutation` reports
+`InputMutation(data=True, visible_to_autograd=True)` for `a`, and `view_chain` turns the output into
+`ViewChain(steps=(ViewStep(aten.view.default, ([-1],)),))`, replayed on the caller's `a` after the
+epilogue has copied the new value in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .plan import InputMutation, ViewChain, ViewStep
+
+
+def input_mutation(base: FunctionalTensor) -> InputMutation:
+    """What the forward did to one graph input, from its functional wrapper's flags."""
+    elem = base.elem
+    torch._sync(base)
+    data = torch._functionalize_has_data_mutation(elem)
+    hidden = torch._functionalize_are_all_mutations_hidden_from_autograd(elem)
+    no_grad = torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(elem)
+    return InputMutation(
+        data=data,
+        visible_to_autograd=data and not (hidden or no_grad),
+        metadata=torch._functionalize_has_metadata_mutation(elem),
+        storage=torch._functionalize_was_storage_changed(elem),
+    )
+
+
+def was_resized(base: FunctionalTensor) -> bool:
+    return torch._functionalize_was_inductor_storage_resized(base.elem)
+
+
+def mutation_count(t: FunctionalTensor) -> int:
+    return torch._functionalize_mutation_counter(t.elem)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def unwrap(t: Any) -> Any:
+    """The traced (fake, proxied) tensor behind a functional tensor, after pending updates."""
+    if isinstance(t, FunctionalTensor):
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)
+    return t
+
+
+def is_differentiable(t: torch.Tensor) -> bool:
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+def meta_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+# ----------------------------------------------------------------------------------------------
+# View chains for outputs that alias an input or an intermediate.
+# ----------------------------------------------------------------------------------------------
+
+
+class _ViewRecorder(TorchDispatchMode):
+    """Records the aten view ops a view function replays, as `ViewStep`s."""
+
+    def __init__(self, start: torch.Tensor):
+        super().__init__()
+        self.current = start
+        self.steps: list[ViewStep] = []
+        self.ok = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, (torch.Tensor, list, tuple)):  # metadata queries (device, sizes)
+            return out
+        if not args or args[0] is not self.current or not _is_view_op(func):
+            self.ok = False
+            return out
+        rest = args[1:]
+        if any(isinstance(a, torch.Tensor) for a in rest) or any(
+            isinstance(v, torch.Tensor) for v in kwargs.values()
+        ):
+            self.ok = False
+        step = ViewStep(func, tuple(rest), tuple(sorted(kwargs.items())))
+        if isinstance(out, (list, tuple)):
+            self.steps.append(step)
+            self.pending_multi = out
+            self.current = None
+        else:
+            self.steps.append(step)
+            self.current = out
+        return out
+
+
+def _is_view_op(func) -> bool:
+    schema = func._schema
+    return bool(schema.returns) and schema.returns[0].alias_info is not None and not schema.is_mutable
+
+
+def _probe_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A fresh fake tensor with `t`'s size/stride/offset, standing in for the run-time base."""
+    with disable_proxy_modes_tracing():
+        size, stride, offset = meta_of(t)
+        storage_numel = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else offset
+        flat = torch.empty(max(storage_numel, 1), dtype=t.dtype, device=t.device)
+        probe = flat.as_strided(size, stride, offset)
+        if requires_grad:
+            probe = probe.detach().requires_grad_(True)
+            probe = probe.as_strided(size, stride, offset) if offset else probe
+        return probe
+
+
+def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> Optional[tuple[tuple[ViewStep, ...], torch.Tensor]]:
+    """Replay `out`'s autograd view function on `base_probe`, returning the ops and the result."""
+    recorder = _ViewRecorder(base_probe)
+    try:
+        with disable_proxy_modes_tracing(), recorder:
+            result = out._view_func_unsafe(base_probe)
+    except Exception:
+        return None
+    if not recorder.ok:
+        return None
+    steps = list(recorder.steps)
+    # A multi-output view (unbind, split...) hands back a list: find which element we are.
+    if getattr(recorder, "pending_multi", None) is not None:
+        items = recorder.pending_multi
+        for k, item in enumerate(items):
+            if item is result:
+                last = steps[-1]
+                steps[-1] = ViewStep(last.op, last.args, last.kwargs, item=k)
+                break
+        else:
+            return None
+        if len(steps) != len(recorder.steps):
+            return None
+    return tuple(steps), result
+
+
+def _grad_fn_names(t: torch.Tensor, stop) -> list[str]:
+    names, fn = [], t.grad_fn
+    while fn is not None and fn is not stop and len(names) < 64:
+        names.append(type(fn).__name__)
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        fn = nxt[0] if len(nxt) == 1 else None
+    return names
+
+
+def view_chain(
+    out: FunctionalTensor, base: FunctionalTensor, base_metadata_mutated: bool
+) -> Optional[ViewChain]:
+    """How to rebuild `out` (an alias of `base`) from the run-time base, or None if it must instead
+    be returned by the graph (its autograd history is more than views, e.g. a custom Function)."""
+    no_grad = base.requires_grad and not out.requires_grad
+    if out._base is not base:
+        # Shares storage without an autograd view relation: .detach(), alias under no_grad...
+        if out.requires_grad:
+            return None
+        return ViewChain(as_strided=meta_of(out), detach=True)
+    if base_metadata_mutated:
+        return ViewChain(as_strided=meta_of(out), no_grad=no_grad)
+    probe = _probe_like(base, requires_grad=out.requires_grad and not no_grad)
+    recorded = _record_chain(out, probe)
+    if recorded is None:
+        return _as_strided_chain(out, base, no_grad)
+    steps, result = recorded
+    if meta_of(result) != meta_of(out):
+        return _as_strided_chain(out, base, no_grad)
+    if out.requires_grad and not no_grad:
+        expected = _grad_fn_names(out, base.grad_fn)
+        if expected != _grad_fn_names(result, None)[: len(expected)] or len(expected) != len(steps):
+            return _as_strided_chain(out, base, no_grad) if _pure_view_history(out, base) else None
+    return ViewChain(steps=steps, no_grad=no_grad)
+
+
+def _pure_view_history(out: torch.Tensor, base: torch.Tensor) -> bool:
+    names = _grad_fn_names(out, base.grad_fn)
+    return bool(names) and all("View" in n or "AsStrided" in n or "Alias" in n for n in names)
+
+
+def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, no_grad: bool) -> Optional[ViewChain]:
+    if out.requires_grad and not no_grad and not _pure_view_history(out, base):
+        return None
+    return ViewChain(as_strided=meta_of(out), no_grad=no_grad)

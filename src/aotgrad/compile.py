@@ -1,0 +1,72 @@
+"""Stage 5 — compile: hand each graph to its compiler, boxed.
+
+The forward (or inference) graph is compiled now; the backward graph on the first `.backward()`,
+because many compiled functions never run one and backward compilation can be as slow as forward.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx
+
+from .compilers import boxed
+from .partition import clone_saved_inputs
+from .plan import Captured, CopyInto
+
+
+@dataclass
+class CompiledForward:
+    """A compiled forward (training) or inference graph and what the run time needs around it."""
+
+    forward: Callable
+    fw_module: torch.fx.GraphModule
+    num_fw_outputs: int
+    num_saved_tensors: int = 0
+    num_saved_other: int = 0
+    bw_module: Optional[torch.fx.GraphModule] = None
+    bw_compiler: Optional[Callable] = None
+    _backward: Optional[Callable] = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def backward(self, example_inputs: Sequence[Any]) -> Callable:
+        """The compiled backward, compiling it on first use."""
+        if self._backward is None:
+            with self._lock:
+                if self._backward is None:
+                    self._backward = boxed(self.bw_compiler(self.bw_module, list(example_inputs)))
+        return self._backward
+
+
+def compile_inference(captured: Captured, compiler: Callable, example_primals: Sequence[Any]) -> CompiledForward:
+    gm = captured.graph
+    return CompiledForward(boxed(compiler(gm, list(example_primals))), gm, captured.plan.num_fw_outputs)
+
+
+def compile_training(
+    captured: Captured,
+    partition_fn: Callable,
+    fw_compiler: Callable,
+    bw_compiler: Callable,
+    example_primals: Sequence[Any],
+) -> CompiledForward:
+    plan = captured.plan
+    joint_inputs = (list(example_primals), [None] * captured.num_tangents)
+    fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
+    mutated_after_forward = {a.primal for a in plan.epilogue if isinstance(a, CopyInto)}
+    clone_saved_inputs(fw_module, plan.num_fw_outputs, mutated_after_forward)
+    saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
+    num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
+    forward = boxed(fw_compiler(fw_module, list(example_primals)))
+    return CompiledForward(
+        forward,
+        fw_module,
+        plan.num_fw_outputs,
+        num_saved_tensors=num_tensors,
+        num_saved_other=len(saved) - num_tensors,
+        bw_module=bw_module,
+        bw_compiler=bw_compiler,
+    )

@@ -1,0 +1,52 @@
+"""Graph compilers and the boxed calling convention.
+
+A compiler takes an FX `GraphModule` and example inputs and returns a callable. A *boxed* callable
+takes one list of inputs (and may clear it, to free inputs early); aotgrad calls every compiled graph
+boxed, wrapping unboxed ones once at compile time so the hot path never checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.fx
+
+
+def make_boxed_func(f: Callable) -> Callable:
+    """Wrap `f(*args)` as a boxed callable `g(args_list)`."""
+
+    def g(args):
+        return f(*args)
+
+    g._boxed_call = True
+    return g
+
+
+def make_boxed_compiler(compiler: Callable) -> Callable:
+    """Turn a compiler returning an unboxed callable into one returning a boxed callable."""
+
+    def boxed_compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        return make_boxed_func(compiler(gm, example_inputs))
+
+    return boxed_compiler
+
+
+def boxed(compiled: Callable) -> Callable:
+    """Return `compiled` if it already takes a list, else its boxed wrapper."""
+    return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
+
+
+def nop(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
+    """The identity compiler: run the FX graph's generated Python as is."""
+    return fx_g
+
+
+def print_graph(name: str) -> Callable:
+    """A compiler that prints the graph it is given (handy while debugging)."""
+
+    def compiler(fx_g: torch.fx.GraphModule, _example_inputs):
+        print(f"==== {name} ====")
+        print(fx_g.code)
+        return fx_g
+
+    return compiler

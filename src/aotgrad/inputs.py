@@ -1,0 +1,179 @@
+"""Stage 1 — inputs: flatten the caller's arguments, key them, and lay them out as graph inputs.
+
+A compiled graph is only valid for arguments like the ones it was traced with. `signature` is the
+cache key: for each tensor its type, shape, strides, offset, dtype, device, `requires_grad`,
+leaf-ness and which other arguments share its storage; for each non-tensor its value; plus grad
+mode. Anything else changes the key, so a graph that no longer fits is never reused.
+
+`layout_for` decides the graph inputs ("primals"): one per distinct tensor (duplicates collapse), or
+one *synthetic base* per group of arguments that view one storage when the program mutates them,
+so the mutation reaches every alias inside the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import UnsupportedAliasingError, UnsupportedInputError
+from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, ViewOfPrimal
+
+_HASHABLE_CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec]:
+    return pytree.tree_flatten((args, kwargs))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _constant_key(v: Any) -> Any:
+    if isinstance(v, _HASHABLE_CONSTANTS):
+        return (type(v), v)
+    return (type(v), id(v))
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    return (
+        type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.layout,
+        t.requires_grad, t.is_leaf,
+    )
+
+
+def alias_key(leaves: Sequence[Any]) -> tuple:
+    """Which tensor leaves are the same object, and which share a storage (canonical numbering)."""
+    seen_obj: dict[int, int] = {}
+    seen_storage: dict[int, int] = {}
+    key = []
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if id(x) in seen_obj:
+            key.append((i, "same", seen_obj[id(x)]))
+            continue
+        seen_obj[id(x)] = i
+        if x.layout is not torch.strided or _is_wrapper(x):
+            continue
+        s = _storage_key(x)
+        if s in seen_storage:
+            j = seen_storage[s]
+            base_i, base_j = x._base, leaves[j]._base
+            key.append((i, "storage", j, base_i is not None and base_i is base_j, base_i is leaves[j]))
+        else:
+            seen_storage[s] = i
+    return tuple(key)
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    return type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(
+        t, torch._subclasses.FakeTensor
+    )
+
+
+def signature(leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
+    """The cache key of a call (see module docstring)."""
+    parts = [spec, torch.is_grad_enabled()]
+    for x in leaves:
+        parts.append(tensor_key(x) if isinstance(x, torch.Tensor) else _constant_key(x))
+    parts.append(alias_key(leaves))
+    return tuple(parts)
+
+
+def check_supported(leaves: Sequence[Any]) -> None:
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.layout is not torch.strided:
+            raise UnsupportedInputError(
+                f"aotgrad: input {i} has layout {x.layout}; only strided (dense) tensors can be graph "
+                "inputs. Convert it with .to_dense() before the call."
+            )
+
+
+def storage_groups(leaves: Sequence[Any]) -> list[list[int]]:
+    """Groups (size >= 2) of distinct tensor leaves that share one storage."""
+    groups: dict[int, list[int]] = {}
+    seen_obj: set[int] = set()
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and id(x) not in seen_obj:
+            seen_obj.add(id(x))
+            if x.layout is torch.strided and not _is_wrapper(x):
+                groups.setdefault(_storage_key(x), []).append(i)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def layout_for(
+    leaves: Sequence[Any], spec: pytree.TreeSpec, merge_groups: Sequence[Sequence[int]] = ()
+) -> InputLayout:
+    """One primal per distinct tensor, except `merge_groups`, which each become one synthetic base."""
+    constants: dict[int, Any] = {}
+    sources: list = []
+    leaf_primal: list = [None] * len(leaves)
+    leaf_views: dict[int, ViewOfPrimal] = {}
+    first_leaf: dict[int, int] = {}
+    group_of = {i: g for g in merge_groups for i in g}
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            constants[i] = x
+            continue
+        if id(x) in first_leaf:  # the same tensor passed twice: one graph input
+            j = first_leaf[id(x)]
+            leaf_primal[i] = leaf_primal[j]
+            if j in leaf_views:
+                leaf_views[i] = leaf_views[j]
+            continue
+        first_leaf[id(x)] = i
+        if i in group_of:
+            g = group_of[i]
+            if i == g[0]:
+                sources.append(_synthetic_base_source(leaves, g))
+            primal = len(sources) - 1 if i == g[0] else leaf_views[g[0]].primal
+            leaf_views[i] = ViewOfPrimal(primal, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+            continue
+        leaf_primal[i] = len(sources)
+        sources.append(FromLeaf(i))
+    return InputLayout(spec, len(leaves), constants, tuple(sources), tuple(leaf_primal), leaf_views)
+
+
+def _synthetic_base_source(leaves: Sequence[Any], group: Sequence[int]):
+    members = [leaves[i] for i in group]
+    if any(m.dtype != members[0].dtype for m in members):
+        raise UnsupportedAliasingError(
+            f"aotgrad: inputs {list(group)} share one storage with different dtypes and one is mutated; "
+            "pass separate tensors (clone one of them)."
+        )
+    roots = {id(m._base if m._base is not None else m) for m in members}
+    if len(roots) == 1:
+        head = members[0]
+        if head._base is not None:
+            return BaseOfLeaf(group[0])
+        return FromLeaf(group[0])
+    if not any(m.requires_grad for m in members):
+        return StorageOfLeaf(group[0])
+    raise UnsupportedAliasingError(
+        f"aotgrad: inputs {list(group)} overlap in memory, one of them is mutated, and they do not come "
+        "from one autograd base (e.g. they were made with .detach() or under no_grad). Pass views of "
+        "one tensor, or clone the inputs before the call."
+    )
+
+
+def storage_base(t: torch.Tensor) -> torch.Tensor:
+    """A flat 1-D tensor over all of `t`'s storage (used as a synthetic base without autograd)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return t.new_empty(0).set_(t.untyped_storage(), 0, (n,), (1,))
+
+
+def primal_values(layout: InputLayout, leaves: Sequence[Any]) -> list[torch.Tensor]:
+    """The real tensors passed as primals (compile-time twin of the generated prologue)."""
+    out = []
+    for src in layout.primal_sources:
+        x = leaves[src.leaf]
+        if isinstance(src, FromLeaf):
+            out.append(x)
+        elif isinstance(src, BaseOfLeaf):
+            out.append(x._base)
+        else:
+            out.append(storage_base(x))
+    return out

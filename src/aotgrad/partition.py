@@ -1,0 +1,141 @@
+"""Stage 4 — partition: split the joint graph into a forward and a backward graph.
+
+A partitioner has the `functorch.compile` signature
+`partition_fn(joint_module, joint_inputs, *, num_fwd_outputs) -> (fw_module, bw_module)`:
+
+- the joint graph's placeholders are `primals_*` then `tangents_*`; its output is a flat list, the
+  first `num_fwd_outputs` entries are forward outputs, the rest the gradient of each primal;
+- the forward module returns its outputs followed by the values it saves for the backward;
+- the backward module takes the saved values then the tangents, and returns the gradients.
+
+`default_partition` saves whatever forward value the backward reads. Nodes tagged as backward
+mutations (a backward that writes into a graph input) always go to the backward graph.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.fx
+from torch.fx import Graph, GraphModule, Node
+
+from .capture import BACKWARD_MUTATION
+
+
+def _flat_outputs(graph: Graph) -> list[Optional[Node]]:
+    out = graph.output_node().args[0]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _ancestors(roots: Iterable[Optional[Node]], stop: set[Node] = frozenset()) -> set[Node]:
+    seen: set[Node] = set()
+    stack = [r for r in roots if isinstance(r, Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stop:
+            continue
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def extract_graph(
+    joint: Graph, inputs: list[Node], outputs: list, side_effects: list[Node] = ()
+) -> GraphModule:
+    """A new graph computing `outputs` (and `side_effects`) from `inputs`, in joint order."""
+    needed = _ancestors(list(outputs) + list(side_effects), stop=set(inputs))
+    new = Graph()
+    env: dict[Node, Node] = {}
+    for node in inputs:
+        p = new.placeholder(node.name)
+        p.meta = dict(node.meta)
+        env[node] = p
+    for node in joint.nodes:
+        if node in env or node not in needed or node.op in ("placeholder", "output"):
+            if node.op == "placeholder" and node in needed and node not in env:
+                raise RuntimeError(f"aotgrad internal error: {node.name} needed but not an input")
+            continue
+        env[node] = new.node_copy(node, lambda n: env[n])
+    new.output([env[o] if isinstance(o, Node) else o for o in outputs])
+    return GraphModule(torch.nn.Module(), new)
+
+
+def _is_backward_mutation(node: Node) -> bool:
+    return bool(node.meta.get(BACKWARD_MUTATION))
+
+
+def default_partition(
+    joint_module: GraphModule, _joint_inputs=None, *, num_fwd_outputs: int, **_ignored
+) -> tuple[GraphModule, GraphModule]:
+    """Forward = what the forward outputs need; save every forward value the backward reads."""
+    graph = joint_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if not n.name.startswith("tangents")]
+    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+    outs = _flat_outputs(graph)
+    fw_outs, bw_outs = outs[:num_fwd_outputs], outs[num_fwd_outputs:]
+    bw_effects = [n for n in graph.nodes if _is_backward_mutation(n)]
+
+    fw_nodes = _ancestors(fw_outs, stop=set(tangents))
+    tangent_dependent = _descendants(tangents)
+    fw_nodes -= tangent_dependent
+    bw_needed = _ancestors(list(bw_outs) + bw_effects, stop=fw_nodes)
+    saved = [n for n in graph.nodes if n in fw_nodes and n in bw_needed and _used_by(n, bw_needed - fw_nodes)]
+    saved += [p for p in primals if p in bw_needed and p not in fw_nodes]
+    saved += [o for o in bw_outs if o in fw_nodes]
+    return build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects)
+
+
+def build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects):
+    """Forward/backward modules from a choice of saved values (shared by all partitioners)."""
+    saved = _order_saved(graph, saved)
+    fw_module = extract_graph(graph, primals, list(fw_outs) + saved)
+    bw_module = extract_graph(graph, saved + tangents, list(bw_outs), bw_effects)
+    return fw_module, bw_module
+
+
+def _order_saved(graph: Graph, saved: list[Node]) -> list[Node]:
+    """Tensors first, then non-tensor values (symbolic ints), each in graph order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    uniq = sorted(set(saved), key=order.__getitem__)
+    is_tensor = [isinstance(n.meta.get("val"), torch.Tensor) for n in uniq]
+    return [n for n, t in zip(uniq, is_tensor) if t] + [n for n, t in zip(uniq, is_tensor) if not t]
+
+
+def _descendants(roots: list[Node]) -> set[Node]:
+    seen: set[Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    return seen
+
+
+def _used_by(node: Node, consumers: set[Node]) -> bool:
+    return any(u in consumers for u in node.users)
+
+
+def clone_saved_inputs(fw_module: GraphModule, num_fwd_outputs: int, primal_indices: set[int]) -> None:
+    """The epilogue mutates some graph inputs after the forward; a backward that reads one of them
+    must see the value from before the mutation, so save a clone instead."""
+    if not primal_indices:
+        return
+    graph = fw_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    targets = {placeholders[i] for i in primal_indices}
+    out_node = graph.output_node()
+    outs = list(out_node.args[0])
+    for i in range(num_fwd_outputs, len(outs)):
+        if outs[i] in targets:
+            with graph.inserting_before(out_node):
+                clone = graph.call_function(torch.ops.aten.clone.default, (outs[i],))
+                clone.meta = dict(outs[i].meta)
+            outs[i] = clone
+    out_node.args = (outs,)
+    fw_module.recompile()

@@ -1,0 +1,283 @@
+"""The plain data passed between pipeline stages.
+
+inputs.py builds an `InputLayout`; capture.py produces a `Captured` (the joint or inference graph plus
+a `Plan` of what the program did to its inputs and outputs); partition.py splits the graph;
+runtime.py turns the `Plan` into straight-line Python. Everything here is frozen and holds no
+tensors, so a plan can be printed, compared and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx
+from torch.utils._pytree import TreeSpec
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: how caller arguments become graph inputs ("primals").
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FromLeaf:
+    """Primal is the caller's flat argument `leaf`."""
+
+    leaf: int
+
+
+@dataclass(frozen=True)
+class BaseOfLeaf:
+    """Primal is `leaves[leaf]._base`: one graph input for inputs that are views of one tensor."""
+
+    leaf: int
+
+
+@dataclass(frozen=True)
+class StorageOfLeaf:
+    """Primal is a flat 1-D tensor over the whole storage of `leaves[leaf]` (no autograd base)."""
+
+    leaf: int
+
+
+PrimalSource = Union[FromLeaf, BaseOfLeaf, StorageOfLeaf]
+
+
+@dataclass(frozen=True)
+class ViewOfPrimal:
+    """A caller argument the graph sees as `as_strided(primal, size, stride, offset)`."""
+
+    primal: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """How the flat caller arguments (pytree leaves) map to graph inputs.
+
+    `leaf_primal[i]` is the primal a tensor leaf *is* (None for constants and for views of a
+    synthetic base, which are listed in `leaf_views`).
+    """
+
+    spec: TreeSpec
+    num_leaves: int
+    constants: dict[int, Any]
+    primal_sources: tuple[PrimalSource, ...]
+    leaf_primal: tuple[Optional[int], ...]
+    leaf_views: dict[int, ViewOfPrimal] = field(default_factory=dict)
+
+    @property
+    def num_primals(self) -> int:
+        return len(self.primal_sources)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the program did to each primal.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputMutation:
+    """Facts about one primal, read off its functional wrapper at the end of the forward.
+
+    `data`: its values changed. `visible_to_autograd`: some data mutation happened in grad mode on a
+    tensor autograd tracks (else all were under `no_grad` or through `.detach()`). `metadata`: its
+    size/stride/offset changed (`t_`, `as_strided_`...). `storage`: `set_` swapped its storage.
+    `in_backward`: the backward pass mutated its data (kept in the backward graph).
+    """
+
+    data: bool = False
+    visible_to_autograd: bool = False
+    metadata: bool = False
+    storage: bool = False
+    in_backward: bool = False
+    kept_in_graph: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.data or self.metadata or self.storage
+
+
+# ----------------------------------------------------------------------------------------------
+# Epilogue actions on the caller's tensors, in order.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Restride:
+    """`primal.as_strided_(size, stride, offset)`: replay a metadata mutation."""
+
+    primal: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class CopyInto:
+    """`primal.copy_(fw_out[value])`, recorded by autograd when `grad` is True."""
+
+    primal: int
+    value: int
+    grad: bool
+
+
+@dataclass(frozen=True)
+class SetToOutput:
+    """`primal.set_(fw_out[value])` under no_grad: replay a `set_` to a new tensor."""
+
+    primal: int
+    value: int
+
+
+@dataclass(frozen=True)
+class SetToPrimal:
+    """`primal.set_(other)` under no_grad: the program set one input to another's storage."""
+
+    primal: int
+    other: int
+
+
+@dataclass(frozen=True)
+class SetRequiresGrad:
+    """`primal.requires_grad_(True)` before the call: the program flipped it on a leaf."""
+
+    primal: int
+
+
+EpilogueAction = Union[Restride, CopyInto, SetToOutput, SetToPrimal]
+
+
+# ----------------------------------------------------------------------------------------------
+# Outputs: how each user output is produced.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ViewStep:
+    """One aten view op replayed on the previous value: `op(prev, *args, **kwargs)[item]`."""
+
+    op: Any
+    args: tuple
+    kwargs: tuple
+    item: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ViewChain:
+    """How to rebuild an aliasing output from its base, in the caller's autograd world.
+
+    `steps` replay view ops (so `._base`, `grad_fn` and later in-place ops behave as in eager); when
+    no faithful chain exists `as_strided` holds (size, stride, offset) instead. `no_grad` replays
+    under `torch.no_grad()` (the view was made there); `detach` detaches the result.
+    """
+
+    steps: tuple[ViewStep, ...] = ()
+    as_strided: Optional[tuple[tuple[int, ...], tuple[int, ...], int]] = None
+    no_grad: bool = False
+    detach: bool = False
+
+
+@dataclass(frozen=True)
+class GraphOutput:
+    """The user output is forward-graph output `index`."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A non-tensor output (int, float, None, ...) fixed at trace time."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class InputItself:
+    """The user output is the caller's tensor argument `leaf` (same Python object)."""
+
+    leaf: int
+
+
+@dataclass(frozen=True)
+class AliasOfPrimal:
+    """The user output is a view of primal `primal`, regenerated after the epilogue."""
+
+    primal: int
+    chain: ViewChain
+
+
+@dataclass(frozen=True)
+class AliasOfGraphOutput:
+    """The user output is a view of forward-graph output `index` (an intermediate base)."""
+
+    index: int
+    chain: ViewChain
+
+
+OutputSource = Union[GraphOutput, Constant, InputItself, AliasOfPrimal, AliasOfGraphOutput]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward graph outputs, named by what they are.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MutatedInputValue:
+    """The new value of primal `primal` after the program's mutations."""
+
+    primal: int
+
+
+@dataclass(frozen=True)
+class UserOutput:
+    """User output `position` (flat index in the output pytree)."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class IntermediateBase:
+    """A tensor the program did not return, but whose views it did."""
+
+
+FwOutputKind = Union[MutatedInputValue, UserOutput, IntermediateBase]
+
+
+@dataclass(frozen=True)
+class FwOutput:
+    kind: FwOutputKind
+    differentiable: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the run time needs to know about one compiled signature."""
+
+    layout: InputLayout
+    primal_requires_grad: tuple[bool, ...]
+    mutations: tuple[InputMutation, ...]
+    fw_outputs: tuple[FwOutput, ...]
+    out_spec: TreeSpec
+    out_sources: tuple[OutputSource, ...]
+    prologue: tuple[SetRequiresGrad, ...]
+    epilogue: tuple[EpilogueAction, ...]
+    is_training: bool
+
+    @property
+    def num_fw_outputs(self) -> int:
+        return len(self.fw_outputs)
+
+
+@dataclass
+class Captured:
+    """Output of capture: the graph (joint or inference) and its plan."""
+
+    graph: torch.fx.GraphModule
+    plan: Plan
+    num_tangents: int = 0

@@ -1,0 +1,226 @@
+"""Stage 6 — run time: generated straight-line Python around the compiled graphs.
+
+From a `Plan` we write, once per compiled signature, the source of one function `run(leaves)`:
+unpack the caller's flat arguments, pick the graph inputs, call the compiled forward (inside an
+`autograd.Function` when training), apply input mutations to the caller's tensors, rebuild outputs
+that alias inputs or intermediates, and rebuild the output pytree. For example, for
+`def f(a): a.mul_(2); return a.view(-1)` with `a` requiring grad:
+
+    def run(leaves):
+        l0, = leaves
+        p0 = l0
+        r0, = _apply(p0)
+        p0.copy_(r0)
+        o0 = _op0(p0, *_a0)          # aten.view.default(p0, [-1])
+        return o0
+
+No loop over metadata runs per call: every decision was taken when the source was written.
+`AOTGRAD_PRINT_RUNTIME=1` prints the generated code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
+
+from .compile import CompiledForward
+from .inputs import storage_base
+from .plan import (
+    AliasOfGraphOutput,
+    AliasOfPrimal,
+    BaseOfLeaf,
+    Constant,
+    CopyInto,
+    FromLeaf,
+    GraphOutput,
+    InputItself,
+    Plan,
+    Restride,
+    SetToOutput,
+    SetToPrimal,
+    ViewChain,
+)
+
+
+class _Source:
+    """A tiny code writer: lines plus the globals they refer to."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.globals: dict[str, Any] = {"_no_grad": torch.no_grad, "torch": torch}
+
+    def bind(self, prefix: str, value: Any) -> str:
+        name = f"_{prefix}{len(self.globals)}"
+        self.globals[name] = value
+        return name
+
+    def emit(self, line: str, indent: int = 1) -> None:
+        self.lines.append("    " * indent + line)
+
+    def build(self, name: str, header: str) -> Callable:
+        src = "\n".join([header] + (self.lines or ["    pass"])) + "\n"
+        if os.environ.get("AOTGRAD_PRINT_RUNTIME"):
+            print(src)
+        code = compile(src, f"<aotgrad {name}>", "exec")
+        scope: dict[str, Any] = {}
+        exec(code, self.globals, scope)
+        fn = scope[name]
+        fn.__aotgrad_source__ = src
+        return fn
+
+
+def _tuple_src(names: list[str]) -> str:
+    return "(" + "".join(f"{n}, " for n in names) + ")"
+
+
+def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
+    """An `autograd.Function` whose forward/backward call the compiled graphs."""
+    n_out = compiled.num_fw_outputs
+    n_t, n_o = compiled.num_saved_tensors, compiled.num_saved_other
+    diff = [i for i, o in enumerate(plan.fw_outputs) if o.differentiable]
+    nondiff = [i for i, o in enumerate(plan.fw_outputs) if not o.differentiable]
+
+    fw = _Source()
+    fw_call = fw.bind("fw", compiled.forward)
+    fw.emit(f"outs = {fw_call}(list(primals))")
+    if n_t:
+        fw.emit(f"ctx.save_for_backward(*outs[{n_out}:{n_out + n_t}])")
+    if n_o:
+        fw.emit(f"ctx.saved_other = outs[{n_out + n_t}:{n_out + n_t + n_o}]")
+    if nondiff:
+        fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
+    fw.emit(f"return tuple(outs[:{n_out}])")
+    forward = fw.build("forward", "def forward(ctx, *primals):")
+
+    bw = _Source()
+    cfw = bw.bind("compiled", compiled)
+    parts = ["*ctx.saved_tensors"] if n_t else []
+    if n_o:
+        parts.append("*ctx.saved_other")
+    parts += [f"_contig(grads[{i}])" for i in diff]
+    bw.globals["_contig"] = _contiguous
+    bw.emit(f"args = [{', '.join(parts)}]")
+    bw.emit(f"return tuple({cfw}.backward(args)(args))")
+    backward = bw.build("backward", "def backward(ctx, *grads):")
+
+    return type(
+        "CompiledFunction",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(once_differentiable(backward))},
+    )
+
+
+def _contiguous(g: torch.Tensor) -> torch.Tensor:
+    return g.contiguous() if g is not None else g
+
+
+def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]:
+    """Write and compile `run(leaves)` for one plan (see module docstring)."""
+    src = _Source()
+    layout = plan.layout
+    src.emit(f"{_tuple_src([f'l{i}' for i in range(layout.num_leaves)])} = leaves")
+    for k, s in enumerate(layout.primal_sources):
+        if isinstance(s, FromLeaf):
+            src.emit(f"p{k} = l{s.leaf}")
+        elif isinstance(s, BaseOfLeaf):
+            src.emit(f"p{k} = l{s.leaf}._base")
+        else:
+            src.emit(f"p{k} = {src.bind('storage_base', storage_base)}(l{s.leaf})")
+    for action in plan.prologue:
+        src.emit(f"p{action.primal}.requires_grad_(True)")
+    primals = [f"p{k}" for k in range(layout.num_primals)]
+    results = [f"r{i}" for i in range(compiled.num_fw_outputs)]
+    if plan.is_training and results:
+        apply = src.bind("apply", make_autograd_function(plan, compiled).apply)
+        src.emit(f"{_tuple_src(results)} = {apply}({', '.join(primals)})")
+    else:
+        call = src.bind("fw", compiled.forward)
+        n = compiled.num_fw_outputs
+        target = _tuple_src(results) if n else "_"
+        src.emit(f"{target} = {call}([{', '.join(primals)}])[:{n}]" if plan.is_training else f"{target} = {call}([{', '.join(primals)}])")
+    _emit_epilogue(src, plan)
+    names = [_emit_output(src, i, s) for i, s in enumerate(plan.out_sources)]
+    src.emit(f"return {_structure(src, plan.out_spec, names)}")
+    return src.build("run", "def run(leaves):")
+
+
+def _emit_epilogue(src: _Source, plan: Plan) -> None:
+    for a in plan.epilogue:
+        if isinstance(a, Restride):
+            src.emit(f"p{a.primal}.as_strided_({a.size}, {a.stride}, {a.offset})")
+        elif isinstance(a, CopyInto) and a.grad:
+            src.emit(f"p{a.primal}.copy_(r{a.value})")
+        elif isinstance(a, CopyInto):
+            src.emit("with _no_grad():")
+            src.emit(f"p{a.primal}.copy_(r{a.value})", 2)
+        elif isinstance(a, SetToOutput):
+            src.emit("with _no_grad():")
+            src.emit(f"p{a.primal}.set_(r{a.value})", 2)
+        elif isinstance(a, SetToPrimal):
+            src.emit("with _no_grad():")
+            src.emit(f"p{a.primal}.set_(p{a.other})", 2)
+
+
+def _emit_output(src: _Source, i: int, s) -> str:
+    if isinstance(s, GraphOutput):
+        return f"r{s.index}"
+    if isinstance(s, Constant):
+        return src.bind("const", s.value) if not isinstance(s.value, (int, float, bool, type(None))) else repr(s.value)
+    if isinstance(s, InputItself):
+        return f"l{s.leaf}"
+    base = f"p{s.primal}" if isinstance(s, AliasOfPrimal) else f"r{s.index}"
+    assert isinstance(s, (AliasOfPrimal, AliasOfGraphOutput))
+    _emit_chain(src, f"o{i}", base, s.chain)
+    return f"o{i}"
+
+
+def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
+    expr = base
+    if chain.as_strided is not None:
+        size, stride, offset = chain.as_strided
+        expr = f"{expr}.as_strided({size}, {stride}, {offset})"
+    for step in chain.steps:
+        op = src.bind("op", step.op)
+        args = "".join(f", {src.bind('a', a)}" for a in step.args)
+        kwargs = "".join(f", {k}={src.bind('a', v)}" for k, v in step.kwargs)
+        expr = f"{op}({expr}{args}{kwargs})"
+        if step.item is not None:
+            expr = f"{expr}[{step.item}]"
+    if chain.detach:
+        expr = f"{expr}.detach()"
+    if chain.no_grad:
+        src.emit("with _no_grad():")
+        src.emit(f"{target} = {expr}", 2)
+    else:
+        src.emit(f"{target} = {expr}")
+
+
+def _structure(src: _Source, spec: pytree.TreeSpec, names: list[str]) -> str:
+    """Source rebuilding the output pytree from flat names (tuple/list/dict inline, else unflatten)."""
+    it = iter(names)
+
+    def walk(s: pytree.TreeSpec) -> str:
+        if s.is_leaf():
+            return next(it)
+        kids = [walk(c) for c in s.children()]
+        if s.type is tuple:
+            return _tuple_src(kids)
+        if s.type is list:
+            return "[" + ", ".join(kids) + "]"
+        if s.type is dict and all(isinstance(k, (str, int)) for k in s.context):
+            return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(s.context, kids)) + "}"
+        raise _Fallback
+
+    try:
+        return walk(spec)
+    except _Fallback:
+        unflatten = src.bind("unflatten", pytree.tree_unflatten)
+        return f"{unflatten}([{', '.join(names)}], {src.bind('spec', spec)})"
+
+
+class _Fallback(Exception):
+    pass

@@ -1,0 +1,134 @@
+"""Compare a compiled function against eager, the way every aotgrad test does.
+
+`check_against_eager(f, make_inputs)` runs `f` eagerly and through `aot_function` on two identical
+copies of the inputs, then compares: outputs (values, dtype, `requires_grad`, `is_leaf`, whether each
+output is a view of an input or of another output), the inputs after the call (values,
+`requires_grad`, version bumps), an in-place op applied to every output afterwards, and the gradients
+of every leaf that requires grad. Raises AssertionError with the first difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .api import aot_function
+from .compilers import nop
+
+
+def _is_view_of_any(t: torch.Tensor, pool: list) -> bool:
+    base = t._base
+    return base is not None and any(base is p or base is getattr(p, "_base", None) for p in pool)
+
+
+def _tensors(tree) -> list:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _leaves_requiring_grad(tree) -> list:
+    out, seen = [], set()
+    for x in _tensors(tree):
+        if x.requires_grad and x.is_leaf and id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def _assert_close(a, b, what: str) -> None:
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor):
+            raise AssertionError(f"{what}: eager gives a tensor, compiled gives {type(b)}")
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise AssertionError(f"{what}: eager {a.dtype}{tuple(a.shape)} vs compiled {b.dtype}{tuple(b.shape)}")
+        torch.testing.assert_close(b.detach(), a.detach(), equal_nan=True, msg=lambda m: f"{what}: {m}")
+    elif a != b and not (isinstance(a, float) and a != a and b != b):
+        raise AssertionError(f"{what}: eager {a!r} vs compiled {b!r}")
+
+
+def _run(f, make_inputs, mutate_outputs: bool):
+    roots, args = make_inputs()
+    result = {"roots": roots, "args": args}
+    versions = [x._version for x in _tensors(args)]
+    out = f(*args)
+    result["out"] = out
+    flat = pytree.tree_leaves(out)
+    result["meta"] = [
+        (x.requires_grad, x.is_leaf, _is_view_of_any(x, _tensors(args)) or _is_view_of_any(x, [y for y in flat if y is not x]))
+        if isinstance(x, torch.Tensor) else None
+        for x in flat
+    ]
+    result["bumped"] = [x._version != v for x, v in zip(_tensors(args), versions)]
+    diff = [x for x in flat if isinstance(x, torch.Tensor) and x.requires_grad]
+    diff += [x for x in _tensors(args) if x.requires_grad and not x.is_leaf and x.grad_fn is not None]
+    grads_of = _leaves_requiring_grad((roots, args))
+    result["grads"] = None
+    if diff and grads_of:
+        loss = sum(_loss_term(x) for x in diff)
+        if loss.requires_grad:
+            result["grads"] = torch.autograd.grad(loss, grads_of, allow_unused=True)
+    if mutate_outputs:
+        after = []
+        for x in flat:
+            if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+                try:
+                    x.add_(2)
+                    after.append(("ok", x.detach().clone(), [a.detach().clone() for a in _tensors(args)]))
+                except RuntimeError as e:
+                    after.append(("error", type(e).__name__))
+        result["after_mutation"] = after
+    return result
+
+
+def _loss_term(x: torch.Tensor) -> torch.Tensor:
+    x = x.real if x.is_complex() else x
+    w = torch.arange(x.numel(), dtype=x.dtype, device=x.device).reshape(x.shape).sin() + 2
+    return (x * w).sum()
+
+
+def check_against_eager(
+    f: Callable,
+    make_inputs: Callable[[], tuple[Any, tuple]],
+    *,
+    compiled: Optional[Callable] = None,
+    mutate_outputs: bool = True,
+    **aot_kwargs,
+) -> Callable:
+    """`make_inputs()` returns `(roots, args)`: `args` are passed to `f`; gradients are compared for
+    every leaf requiring grad among `roots` and `args` (roots let args be views or non-leaves)."""
+    compiled = compiled or aot_function(f, nop, **aot_kwargs)
+    ref = _run(f, make_inputs, mutate_outputs)
+    test = _run(compiled, make_inputs, mutate_outputs)
+    ref_flat, test_flat = pytree.tree_flatten(ref["out"]), pytree.tree_flatten(test["out"])
+    if ref_flat[1] != test_flat[1]:
+        raise AssertionError(f"output structure: eager {ref_flat[1]} vs compiled {test_flat[1]}")
+    for i, (a, b) in enumerate(zip(ref_flat[0], test_flat[0])):
+        _assert_close(a, b, f"output {i}")
+    for i, (a, b) in enumerate(zip(ref["meta"], test["meta"])):
+        if a != b:
+            raise AssertionError(f"output {i} (requires_grad, is_leaf, is_view_of_input_or_output): eager {a} vs compiled {b}")
+    for i, (a, b) in enumerate(zip(_tensors(ref["args"]), _tensors(test["args"]))):
+        _assert_close(a, b, f"input {i} after the call")
+        if a.requires_grad != b.requires_grad:
+            raise AssertionError(f"input {i} requires_grad after the call: eager {a.requires_grad} vs compiled {b.requires_grad}")
+    if ref["bumped"] != test["bumped"]:
+        raise AssertionError(f"input version bumped: eager {ref['bumped']} vs compiled {test['bumped']}")
+    for i, (a, b) in enumerate(zip(_tensors(ref["roots"]), _tensors(test["roots"]))):
+        _assert_close(a, b, f"root {i} after the call")
+    if (ref["grads"] is None) != (test["grads"] is None):
+        raise AssertionError(f"gradients: eager {ref['grads'] is not None} vs compiled {test['grads'] is not None}")
+    if ref["grads"] is not None:
+        for i, (a, b) in enumerate(zip(ref["grads"], test["grads"])):
+            if (a is None) != (b is None):
+                raise AssertionError(f"grad {i}: eager {a is None and 'None'} vs compiled {b is None and 'None'}")
+            if a is not None:
+                _assert_close(a, b, f"grad {i}")
+    for i, (a, b) in enumerate(zip(ref.get("after_mutation", []), test.get("after_mutation", []))):
+        if a[0] != b[0]:
+            raise AssertionError(f"in-place op on output {i} afterwards: eager {a[0]} vs compiled {b[0]}")
+        if a[0] == "ok":
+            _assert_close(a[1], b[1], f"output {i} after an in-place op on it")
+            for j, (x, y) in enumerate(zip(a[2], b[2])):
+                _assert_close(x, y, f"input {j} after an in-place op on output {i}")
+    return compiled
