@@ -13,7 +13,7 @@ epilogue has copied the new value in.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -23,16 +23,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .plan import InputMutation, ViewChain, ViewStep
 
 
-def input_mutation(base: FunctionalTensor) -> InputMutation:
-    """What the forward did to one graph input, from its functional wrapper's flags."""
+def input_mutation(base: FunctionalTensor, grad_fn_before: Any = None) -> InputMutation:
+    """What the forward did to one graph input, from its functional wrapper's flags.
+
+    Autograd saw a data mutation iff the wrapper's `grad_fn` changed: mutations under `no_grad` or
+    through a `.detach()`ed alias leave it alone, exactly as they leave eager's alone.
+    """
     elem = base.elem
     torch._sync(base)
     data = torch._functionalize_has_data_mutation(elem)
-    hidden = torch._functionalize_are_all_mutations_hidden_from_autograd(elem)
-    no_grad = torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(elem)
     return InputMutation(
         data=data,
-        visible_to_autograd=data and not (hidden or no_grad),
+        visible_to_autograd=data and base.grad_fn is not grad_fn_before,
         metadata=torch._functionalize_has_metadata_mutation(elem),
         storage=torch._functionalize_was_storage_changed(elem),
     )
@@ -122,7 +124,7 @@ def _probe_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         return probe
 
 
-def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> Optional[tuple[tuple[ViewStep, ...], torch.Tensor]]:
+def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[ViewStep, ...], torch.Tensor] | None:
     """Replay `out`'s autograd view function on `base_probe`, returning the ops and the result."""
     recorder = _ViewRecorder(base_probe)
     try:
@@ -159,10 +161,11 @@ def _grad_fn_names(t: torch.Tensor, stop) -> list[str]:
 
 def view_chain(
     out: FunctionalTensor, base: FunctionalTensor, base_metadata_mutated: bool
-) -> Optional[ViewChain]:
+) -> ViewChain | None:
     """How to rebuild `out` (an alias of `base`) from the run-time base, or None if it must instead
     be returned by the graph (its autograd history is more than views, e.g. a custom Function)."""
-    no_grad = base.requires_grad and not out.requires_grad
+    # A view made under no_grad of a tensor that requires grad has no grad_fn (it is a leaf).
+    no_grad = base.requires_grad and out.grad_fn is None
     if out._base is not base:
         # Shares storage without an autograd view relation: .detach(), alias under no_grad...
         if out.requires_grad:
@@ -170,7 +173,7 @@ def view_chain(
         return ViewChain(as_strided=meta_of(out), detach=True)
     if base_metadata_mutated:
         return ViewChain(as_strided=meta_of(out), no_grad=no_grad)
-    probe = _probe_like(base, requires_grad=out.requires_grad and not no_grad)
+    probe = _probe_like(base, requires_grad=base.requires_grad and not no_grad)
     recorded = _record_chain(out, probe)
     if recorded is None:
         return _as_strided_chain(out, base, no_grad)
@@ -189,7 +192,7 @@ def _pure_view_history(out: torch.Tensor, base: torch.Tensor) -> bool:
     return bool(names) and all("View" in n or "AsStrided" in n or "Alias" in n for n in names)
 
 
-def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, no_grad: bool) -> Optional[ViewChain]:
+def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, no_grad: bool) -> ViewChain | None:
     if out.requires_grad and not no_grad and not _pure_view_history(out, base):
         return None
     return ViewChain(as_strided=meta_of(out), no_grad=no_grad)

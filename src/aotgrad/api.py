@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -93,12 +94,12 @@ class CompiledFunction:
 def aot_function(
     fn: Callable,
     fw_compiler: Callable,
-    bw_compiler: Optional[Callable] = None,
+    bw_compiler: Callable | None = None,
     partition_fn: Callable = default_partition,
-    decompositions: Optional[dict] = None,
+    decompositions: dict | None = None,
     num_params_buffers: int = 0,
     keep_inference_input_mutations: bool = False,
-    inference_compiler: Optional[Callable] = None,
+    inference_compiler: Callable | None = None,
     *,
     dynamic: bool = False,
     enable_log: bool = True,
@@ -168,11 +169,11 @@ def aot_module_simplified(
     mod: nn.Module,
     args: list,
     fw_compiler: Callable,
-    bw_compiler: Optional[Callable] = None,
+    bw_compiler: Callable | None = None,
     partition_fn: Callable = default_partition,
-    decompositions: Optional[dict] = None,
+    decompositions: dict | None = None,
     keep_inference_input_mutations: bool = False,
-    inference_compiler: Optional[Callable] = None,
+    inference_compiler: Callable | None = None,
     cudagraphs: Any = None,
     boxed_forward_device_index: Any = None,
     ignore_shape_env: bool = False,

@@ -17,8 +17,9 @@ are no-ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -105,7 +106,7 @@ def capture(
     primals: Sequence[torch.Tensor],
     *,
     training: bool,
-    decompositions: Optional[dict],
+    decompositions: dict | None,
     keep_inference_input_mutations: bool,
     storage_groups: Sequence[Sequence[int]] = (),
 ) -> Captured:
@@ -139,6 +140,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         funs = [FunctionalTensor.to_functional(p) for p in primals]
         bases = [f.clone() if training and f.requires_grad else f for f in funs]
     _tag_input_clones(bases, funs)
+    grad_fns = [b.grad_fn for b in bases]
     user_leaves = _user_leaves(layout, bases, mode)
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
     with mode:
@@ -147,14 +149,14 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
 
     fw = _Forward(out_spec=out_spec)
     _check_storage_groups(storage_groups, user_leaves)
-    _analyse_inputs(fw, layout, leaves, primals, funs, bases, training, keep_in_graph)
+    _analyse_inputs(fw, layout, leaves, primals, funs, bases, grad_fns, training, keep_in_graph)
     _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training)
 
     grads: list = []
     num_tangents = 0
     if training:
         grads, num_tangents = _trace_backward(fw, primals, funs, bases, mode)
-    requires_grad = tuple(bool(f.requires_grad) for f in funs)
+    requires_grad = tuple(_wants_grad(p, f) for p, f in zip(primals, funs))
     state["plan"] = Plan(
         layout=layout,
         primal_requires_grad=requires_grad if training else (False,) * len(funs),
@@ -215,11 +217,11 @@ def _leaf_mutated(t) -> bool:
     return m.data or m.metadata or m.storage
 
 
-def _analyse_inputs(fw, layout, leaves, primals, funs, bases, training, keep_in_graph) -> None:
+def _analyse_inputs(fw, layout, leaves, primals, funs, bases, grad_fns, training, keep_in_graph) -> None:
     grad_on = torch.is_grad_enabled()
     copies, sets = [], []
     for k, (p, f, b) in enumerate(zip(primals, funs, bases)):
-        m = analysis.input_mutation(b)
+        m = analysis.input_mutation(b, grad_fns[k])
         name = _primal_name(layout, k)
         if analysis.was_resized(b):
             raise UnsupportedMutationError(
@@ -228,7 +230,7 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, training, keep_in_
             )
         real = layout.primal_sources[k]
         leaf_tensor = leaves[real.leaf] if hasattr(real, "leaf") else None
-        if f.requires_grad and not p.requires_grad:
+        if f.requires_grad and not p.requires_grad and f.is_leaf:
             if leaf_tensor is not None and leaf_tensor.is_leaf:
                 fw.prologue.append(SetRequiresGrad(k))
             else:
@@ -276,7 +278,7 @@ def _primal_name(layout: InputLayout, k: int) -> str:
     return f"the storage shared by inputs around argument {src.leaf}"
 
 
-def _storage_owner(b, bases, k) -> Optional[int]:
+def _storage_owner(b, bases, k) -> int | None:
     sid = analysis.storage_id(b)
     for j, other in enumerate(bases):
         if j != k and analysis.storage_id(other) == sid:
@@ -313,7 +315,7 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training) -> None
         if id(o) in leaf_of:
             sources[pos] = InputItself(leaf_of[id(o)])
             continue
-        if training and o.requires_grad and o.is_leaf:
+        if training and o.requires_grad and o.is_leaf and o._base is None:
             raise UnsupportedOutputError(
                 f"aotgrad: output {pos} is a leaf tensor created inside the program with requires_grad=True; "
                 "aotgrad can only return tensors computed from the inputs. Pass it in as an input."
@@ -364,7 +366,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
         tangent = _new_placeholder(f"tangents_{n + 1}", fw.fw_values[i])
         with mode:
             tangents_fun.append(FunctionalTensor.to_functional(tangent))
-    wrt = [k for k, f in enumerate(funs) if f.requires_grad]
+    wrt = [k for k, (p, f) in enumerate(zip(primals, funs)) if _wants_grad(p, f)]
     counts = [analysis.mutation_count(b) for b in bases]
     metas = [analysis.meta_of(analysis.unwrap(b)) for b in bases]
     grads_wrt: Sequence = ()
@@ -383,6 +385,11 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     return grads, len(diff)
 
 
+def _wants_grad(primal, fun) -> bool:
+    """Gradients flow to a primal that required grad, or that the program made a leaf requiring grad."""
+    return primal.requires_grad or (fun.requires_grad and fun.is_leaf)
+
+
 def _new_placeholder(name: str, like: torch.Tensor) -> torch.Tensor:
     """A new graph input created mid-trace (tangents are only known once the forward has run)."""
     tracer = get_proxy_mode().tracer
@@ -396,13 +403,13 @@ def _new_placeholder(name: str, like: torch.Tensor) -> torch.Tensor:
 
 def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -> None:
     for k, b in enumerate(bases):
-        if analysis.mutation_count(b) == counts[k]:
-            continue
-        if analysis.meta_of(analysis.unwrap(b)) != metas[k] or torch._functionalize_was_storage_changed(b.elem):
+        if analysis.meta_of(analysis.unwrap(b)) != metas[k]:
             raise BackwardMutationError(
                 f"aotgrad: the backward pass changes the metadata (shape/strides/storage) of graph input {k}; "
                 "only data mutations of inputs are supported in the backward."
             )
+        if analysis.mutation_count(b) == counts[k]:
+            continue
         if b.requires_grad or primals[k].requires_grad:
             raise BackwardMutationError(
                 f"aotgrad: the backward pass mutates graph input {k}, which requires grad; this cannot be "

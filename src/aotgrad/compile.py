@@ -7,8 +7,9 @@ because many compiled functions never run one and backward compilation can be as
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -27,9 +28,9 @@ class CompiledForward:
     num_fw_outputs: int
     num_saved_tensors: int = 0
     num_saved_other: int = 0
-    bw_module: Optional[torch.fx.GraphModule] = None
-    bw_compiler: Optional[Callable] = None
-    _backward: Optional[Callable] = field(default=None, repr=False)
+    bw_module: torch.fx.GraphModule | None = None
+    bw_compiler: Callable | None = None
+    _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def backward(self, example_inputs: Sequence[Any]) -> Callable:

@@ -7,7 +7,8 @@ boxed, wrapping unboxed ones once at compile time so the hot path never checks.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx
 

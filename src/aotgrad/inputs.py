@@ -12,7 +12,8 @@ so the mutation reaches every alias inside the graph.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree

@@ -14,7 +14,7 @@ mutations (a backward that writes into a graph input) always go to the backward 
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.fx
@@ -23,12 +23,12 @@ from torch.fx import Graph, GraphModule, Node
 from .capture import BACKWARD_MUTATION
 
 
-def _flat_outputs(graph: Graph) -> list[Optional[Node]]:
+def _flat_outputs(graph: Graph) -> list[Node | None]:
     out = graph.output_node().args[0]
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _ancestors(roots: Iterable[Optional[Node]], stop: set[Node] = frozenset()) -> set[Node]:
+def _ancestors(roots: Iterable[Node | None], stop: set[Node] = frozenset()) -> set[Node]:
     seen: set[Node] = set()
     stack = [r for r in roots if isinstance(r, Node)]
     while stack:

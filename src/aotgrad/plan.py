@@ -9,12 +9,11 @@ tensors, so a plan can be printed, compared and cached.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.fx
 from torch.utils._pytree import TreeSpec
-
 
 # ----------------------------------------------------------------------------------------------
 # Inputs: how caller arguments become graph inputs ("primals").
@@ -42,7 +41,7 @@ class StorageOfLeaf:
     leaf: int
 
 
-PrimalSource = Union[FromLeaf, BaseOfLeaf, StorageOfLeaf]
+PrimalSource = FromLeaf | BaseOfLeaf | StorageOfLeaf
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class InputLayout:
     num_leaves: int
     constants: dict[int, Any]
     primal_sources: tuple[PrimalSource, ...]
-    leaf_primal: tuple[Optional[int], ...]
+    leaf_primal: tuple[int | None, ...]
     leaf_views: dict[int, ViewOfPrimal] = field(default_factory=dict)
 
     @property
@@ -149,7 +148,7 @@ class SetRequiresGrad:
     primal: int
 
 
-EpilogueAction = Union[Restride, CopyInto, SetToOutput, SetToPrimal]
+EpilogueAction = Restride | CopyInto | SetToOutput | SetToPrimal
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +163,7 @@ class ViewStep:
     op: Any
     args: tuple
     kwargs: tuple
-    item: Optional[int] = None
+    item: int | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ class ViewChain:
     """
 
     steps: tuple[ViewStep, ...] = ()
-    as_strided: Optional[tuple[tuple[int, ...], tuple[int, ...], int]] = None
+    as_strided: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
     no_grad: bool = False
     detach: bool = False
 
@@ -219,7 +218,7 @@ class AliasOfGraphOutput:
     chain: ViewChain
 
 
-OutputSource = Union[GraphOutput, Constant, InputItself, AliasOfPrimal, AliasOfGraphOutput]
+OutputSource = GraphOutput | Constant | InputItself | AliasOfPrimal | AliasOfGraphOutput
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +245,7 @@ class IntermediateBase:
     """A tensor the program did not return, but whose views it did."""
 
 
-FwOutputKind = Union[MutatedInputValue, UserOutput, IntermediateBase]
+FwOutputKind = MutatedInputValue | UserOutput | IntermediateBase
 
 
 @dataclass(frozen=True)

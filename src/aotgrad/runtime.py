@@ -21,7 +21,8 @@ No loop over metadata runs per call: every decision was taken when the source wa
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable

@@ -9,7 +9,8 @@ of every leaf that requires grad. Raises AssertionError with the first differenc
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -91,7 +92,7 @@ def check_against_eager(
     f: Callable,
     make_inputs: Callable[[], tuple[Any, tuple]],
     *,
-    compiled: Optional[Callable] = None,
+    compiled: Callable | None = None,
     mutate_outputs: bool = True,
     **aot_kwargs,
 ) -> Callable:

@@ -1,0 +1,667 @@
+"""Core behaviours of aot_function / aot_module, each compared against eager (issue: core pipeline)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotgrad
+from aotgrad import aot_function, aot_module, make_boxed_compiler, nop
+from aotgrad.testing import check_against_eager
+
+
+def leaf_inputs(*shapes, requires_grad=True, seed=0):
+    """Fresh leaves (roots) and non-leaf args made from them, so args may be mutated in place."""
+
+    def make():
+        g = torch.Generator().manual_seed(seed)
+        roots = tuple(torch.randn(*s, generator=g).requires_grad_(requires_grad) for s in shapes)
+        return roots, tuple(r.clone() for r in roots)
+
+    return make
+
+
+def plain_inputs(*values):
+    def make():
+        args = tuple(v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v for v in values)
+        return args, args
+
+    return make
+
+
+RG = pytest.mark.parametrize("rg", [True, False])
+
+
+class GraphCell:
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, _inputs):
+        self.graphs.append(gm)
+        return gm
+
+
+# --- 1. capture, pytrees, non-tensors ---------------------------------------------------------
+
+
+@RG
+def test_pytree_inputs_and_outputs(rg):
+    def f(d, xs, k, none):
+        a, b = xs
+        return {"sum": d["x"] * k + a, "pair": (a - b, [b.sin(), None]), "k": k}
+
+    def make():
+        g = torch.Generator().manual_seed(1)
+        x, a, b = (torch.randn(3, generator=g, requires_grad=rg) for _ in range(3))
+        return (x, a, b), ({"x": x}, [a, b], 3, None)
+
+    check_against_eager(f, make)
+
+
+@RG
+def test_int_float_bool_arguments_recompile(rg):
+    def f(x, n, scale, flag):
+        y = x * scale
+        return y + n if flag else y - n
+
+    cf = aot_function(f, nop)
+    x = torch.randn(4, requires_grad=rg)
+    for n, scale, flag in [(1, 2.0, True), (2, 2.0, True), (2, 3.5, False)]:
+        torch.testing.assert_close(cf(x, n, scale, flag), f(x, n, scale, flag))
+    assert len(cf.cache) == 3
+
+
+def test_shape_dtype_stride_requires_grad_changes_recompile():
+    f = lambda x: x.sin() * 2  # noqa: E731
+    cf = aot_function(f, nop)
+    calls = [
+        torch.randn(3), torch.randn(4), torch.randn(4, dtype=torch.float64),
+        torch.randn(4, 4).t(), torch.randn(4, requires_grad=True),
+    ]
+    for x in calls:
+        out = cf(x)
+        torch.testing.assert_close(out, f(x))
+        assert out.requires_grad == x.requires_grad
+    assert len(cf.cache) == len(calls)
+
+
+def test_decompositions_are_honoured():
+    cell = GraphCell()
+    decomps = torch._decomp.get_decompositions([torch.ops.aten.gelu])
+    cf = aot_function(lambda x: torch.nn.functional.gelu(x), cell, decompositions=decomps)
+    cf(torch.randn(4))
+    targets = {str(n.target) for n in cell.graphs[0].graph.nodes if n.op == "call_function"}
+    assert "aten.gelu.default" not in targets and targets
+
+
+def test_inference_graph_when_nothing_requires_grad_and_inference_compiler():
+    fw, inf = GraphCell(), GraphCell()
+    cf = aot_function(lambda x: x.cos(), fw, inference_compiler=inf)
+    cf(torch.randn(3))
+    with torch.no_grad():
+        cf(torch.randn(3, requires_grad=True))
+    assert len(inf.graphs) == 2 and not fw.graphs
+
+
+def test_backward_compiled_lazily():
+    bw = GraphCell()
+    cf = aot_function(lambda x: x.sin(), nop, bw)
+    out = cf(torch.randn(3, requires_grad=True))
+    assert not bw.graphs
+    out.sum().backward()
+    assert len(bw.graphs) == 1
+
+
+def test_graphs_are_functional():
+    cell = GraphCell()
+
+    def f(a, b):
+        b = b.clone()
+        b.add_(a)
+        b.t_()
+        v = b[0]
+        v.mul_(2)
+        return b * a.t()
+
+    cf = aot_function(f, cell)
+    a = torch.randn(3, 3, requires_grad=True)
+    cf(a, torch.randn(3, 3)).sum().backward()
+    for gm in cell.graphs:
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                assert not n.target._schema.is_mutable, n.target
+
+
+def test_boxed_compiler_and_make_boxed_compiler():
+    seen = []
+
+    def compiler(gm, inputs):
+        seen.append(len(inputs))
+        return gm
+
+    check_against_eager(lambda x, y: (x * y).sum(), leaf_inputs((3,), (3,)), compiled=aot_function(lambda x, y: (x * y).sum(), make_boxed_compiler(compiler)))
+    assert seen
+
+
+# --- 2. input mutations -----------------------------------------------------------------------
+
+
+@RG
+def test_data_mutation(rg):
+    def f(a, b):
+        a.mul_(2)
+        return a * b
+
+    check_against_eager(f, leaf_inputs((3, 3), (3, 3), requires_grad=rg))
+
+
+@RG
+def test_mutation_of_view_of_input(rg):
+    def f(a):
+        a[0].add_(1)
+        a.view(-1)[3:5].mul_(3)
+        return a.sum(0)
+
+    check_against_eager(f, leaf_inputs((3, 3), requires_grad=rg))
+
+
+@RG
+def test_mutation_of_noncontiguous_input(rg):
+    def make():
+        base = torch.ones(4, 4, requires_grad=rg)
+        x = base.clone()
+        return (base,), (x[:, 1],)
+
+    def f(a):
+        a.mul_(2)
+        return a + 1
+
+    check_against_eager(f, make)
+
+
+def test_mutation_under_no_grad_of_input_requiring_grad():
+    def f(a):
+        with torch.no_grad():
+            a.mul_(2)
+        return a * 3
+
+    check_against_eager(f, leaf_inputs((4,)))
+    # also on a leaf: eager allows in-place under no_grad on leaves
+    check_against_eager(f, plain_inputs(torch.ones(4, requires_grad=True)))
+
+
+def test_mutation_through_detach():
+    def f(a):
+        a.detach().mul_(2)
+        return a + 3
+
+    check_against_eager(f, plain_inputs(torch.ones(4, requires_grad=True)))
+    check_against_eager(f, leaf_inputs((4,)))
+
+
+def test_mixed_visible_and_hidden_mutations():
+    def f(a):
+        a.detach().mul_(2)
+        a.mul_(3)
+        with torch.no_grad():
+            a.mul_(4)
+        return a + 5
+
+    check_against_eager(f, leaf_inputs((4,)))
+
+
+def test_mutating_leaf_requiring_grad_raises_like_eager():
+    def f(a):
+        a.mul_(2)
+        return a
+
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        f(x)
+    with pytest.raises(aotgrad.InplaceOnLeafError, match="input 0"):
+        aot_function(f, nop)(torch.ones(3, requires_grad=True))
+
+
+@RG
+def test_metadata_mutations(rg):
+    def f(a, b, c, d):
+        a.t_()
+        b.transpose_(0, 1)
+        c.unsqueeze_(0)
+        d.as_strided_((2, 2), (1, 2))
+        return a + b, c * 2, d.sum()
+
+    check_against_eager(f, leaf_inputs((2, 3), (2, 3), (3,), (4,), requires_grad=rg))
+
+
+@RG
+def test_data_and_metadata_mutation(rg):
+    def f(a):
+        a.t_()
+        a[0].mul_(2)
+        return a.view(a.shape)
+
+    check_against_eager(f, leaf_inputs((3, 3), requires_grad=rg))
+
+
+def test_set_to_new_tensor_under_no_grad():
+    def f(a):
+        b = torch.arange(9, dtype=a.dtype).reshape(3, 3)
+        with torch.no_grad():
+            a.set_(b)
+        return a * b
+
+    check_against_eager(f, leaf_inputs((3, 3)))
+    check_against_eager(f, leaf_inputs((3, 3), requires_grad=False))
+
+
+def test_set_to_other_input_then_mutate_other():
+    def f(a, b):
+        with torch.no_grad():
+            a.set_(b)
+            b.mul_(2)
+        return a + b
+
+    check_against_eager(f, leaf_inputs((3, 3), (3, 3), requires_grad=False))
+
+
+def test_keep_inference_input_mutations_in_graph():
+    cell = GraphCell()
+
+    def f(a, b):
+        a.add_(b)
+        return a * 2
+
+    cf = aot_function(f, cell, keep_inference_input_mutations=True)
+    check_against_eager(f, leaf_inputs((3,), (3,), requires_grad=False), compiled=cf)
+    code = cell.graphs[0].code
+    assert "copy_" in code
+
+
+@RG
+def test_input_requiring_grad_mutated_with_value_requiring_grad(rg):
+    def f(a, b):
+        a.copy_(b * 2)
+        return a.sum()
+
+    def make():
+        a = torch.zeros(3)
+        b = torch.linspace(-1, 2, 3).requires_grad_(True)
+        return (b,), (a, b)
+
+    check_against_eager(f, make)
+
+
+def test_mutated_input_saved_for_backward_keeps_old_value():
+    def f(w, x):
+        y = ((x + 1) * w).sum()
+        x.mul_(2)  # the backward reads x + 1, computed before the mutation
+        return y
+
+    def make():
+        w = torch.linspace(-1, 2, 3).requires_grad_(True)
+        x = torch.linspace(0, 1, 3)
+        return (w,), (w, x)
+
+    check_against_eager(f, make)
+
+
+def test_requires_grad_flipped_inside():
+    def f(a, b):
+        a.requires_grad_(True)
+        return a.mul(3), b.mul(4)
+
+    def make():
+        a = torch.ones(3, 3)
+        b = torch.ones(3, 3, requires_grad=True)
+        return (a, b), (a, b)
+
+    check_against_eager(f, make)
+
+
+# --- 3. outputs aliasing inputs or intermediates ------------------------------------------------
+
+
+@RG
+def test_output_is_input_and_view_of_input(rg):
+    check_against_eager(lambda a: (a, a.view(-1), a[1:]), leaf_inputs((3, 2), requires_grad=rg))
+
+
+@RG
+def test_several_views_of_one_input(rg):
+    check_against_eager(lambda a: (a.t(), a.unsqueeze(0), a.diagonal()), leaf_inputs((3, 3), requires_grad=rg))
+
+
+@RG
+def test_view_of_mutated_input(rg):
+    def f(a):
+        a.add_(1)
+        return a.view(-1), a.t()
+
+    check_against_eager(f, leaf_inputs((2, 2), requires_grad=rg))
+
+
+@RG
+def test_view_of_intermediate(rg):
+    check_against_eager(lambda a: (a * 3).view(-1), leaf_inputs((3, 3), requires_grad=rg))
+
+
+@RG
+def test_several_views_of_one_intermediate_and_the_intermediate(rg):
+    def f(a):
+        out = a * 3
+        return out.view(-1), out, out.t(), out[0].detach()
+
+    check_against_eager(f, leaf_inputs((3, 3), requires_grad=rg))
+
+
+def test_views_of_intermediate_made_under_no_grad():
+    def f(a):
+        out = a * 3
+        with torch.no_grad():
+            v = out.view(-1)
+        return v, out
+
+    check_against_eager(f, leaf_inputs((3, 3)))
+
+
+def test_view_of_input_made_under_no_grad():
+    def f(a):
+        with torch.no_grad():
+            v = a[0]
+        return v, a * 2
+
+    check_against_eager(f, leaf_inputs((3, 3)))
+
+
+def test_detach_outputs():
+    def f(x):
+        x = x + 1
+        a = x.transpose(0, 1)
+        return a.detach(), a
+
+    cf = check_against_eager(f, leaf_inputs((3, 3)))
+    y0, y1 = cf(torch.ones(3, 3, requires_grad=True))
+    assert y0.data_ptr() == y1.data_ptr() and y1._is_view() and not y0.requires_grad
+
+
+def test_multi_output_view_outputs():
+    def f(a):
+        out = a * 3
+        return list(out.unbind(0))
+
+    check_against_eager(f, leaf_inputs((3, 3)), mutate_outputs=False)
+    check_against_eager(lambda a: list(a.unbind(0)), leaf_inputs((3, 3)), mutate_outputs=False)
+
+
+def test_alias_outputs_preserve_aliasing_after_mutation():
+    def f(a):
+        b = a.mul(2)
+        return b, b.view(-1)
+
+    cf = aot_function(f, nop)
+    for rg in (True, False):
+        x = torch.ones(3, requires_grad=rg)
+        ref, out = f(x), cf(x)
+        ref[0].mul_(3)
+        out[0].mul_(3)
+        torch.testing.assert_close(out[1], ref[1])
+
+
+def test_custom_function_returning_its_input():
+    class Half(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 0.5
+
+    check_against_eager(lambda x: Half.apply(x), leaf_inputs((2, 2)), mutate_outputs=False)
+
+
+# --- 4. duplicate and aliased inputs -------------------------------------------------------------
+
+
+@RG
+def test_duplicate_inputs(rg):
+    def make():
+        x = torch.linspace(-1, 2, 3).requires_grad_(rg)
+        return (x,), (x, x)
+
+    check_against_eager(lambda a, b: a * b + a, make)
+
+
+def test_duplicate_input_mutated():
+    def f(a, b):
+        a.mul_(2)
+        return a + b
+
+    def make():
+        base = torch.linspace(-1, 2, 3).requires_grad_(True)
+        x = base.clone()
+        return (base,), (x, x)
+
+    check_against_eager(f, make)
+
+
+@RG
+def test_inputs_that_view_each_other_one_mutated(rg):
+    def f(a, b):
+        a.mul_(2)
+        return a + b
+
+    def make():
+        base = torch.ones(2, 2, requires_grad=rg)
+        x = base.add(1)
+        return (base,), (x[0], x[0])
+
+    check_against_eager(f, make)
+
+
+@RG
+def test_overlapping_input_views_data_and_metadata_mutation(rg):
+    def f(a, b):
+        a.mul_(2)
+        b.t_()
+        return a.mul(b)
+
+    def make():
+        base = torch.ones(2, 2, requires_grad=rg)
+        x = base.add(1)
+        return (base,), (x[0], x[0])
+
+    check_against_eager(f, make)
+
+
+def test_input_and_its_view_one_mutated():
+    def f(a, b):
+        b.add_(1)
+        return a * 2
+
+    def make():
+        base = torch.linspace(-1, 2, 4).requires_grad_(True)
+        x = base.clone()
+        return (base,), (x, x[1:3])
+
+    check_against_eager(f, make)
+
+
+# --- 5. custom autograd.Function and backward mutations ------------------------------------------
+
+
+def test_custom_function_traced_through():
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x, y)
+            idx = torch.argmax(x)
+            ctx.mark_non_differentiable(idx)
+            return x * y, idx
+
+        @staticmethod
+        def backward(ctx, g, _gidx):
+            x, y = ctx.saved_tensors
+            return g * y * 2, g * x
+
+    check_against_eager(lambda x, y: Scale.apply(x, y), leaf_inputs((4,), (4,)))
+
+
+class _BwMutatesBuffer(torch.autograd.Function):
+    """Like Float8 scaling: the backward updates a buffer that does not require grad."""
+
+    @staticmethod
+    def forward(ctx, x, buf):
+        ctx.save_for_backward(buf)
+        return x * buf
+
+    @staticmethod
+    def backward(ctx, g):
+        (buf,) = ctx.saved_tensors
+        buf.add_(1)
+        return g * buf, None
+
+
+def test_backward_mutation_of_input_not_requiring_grad():
+    def f(x, buf):
+        return _BwMutatesBuffer.apply(x, buf).sin()
+
+    def make():
+        x = torch.linspace(-1, 1, 4).requires_grad_(True)
+        return (x,), (x, torch.full((4,), 2.0))
+
+    cf = aot_function(f, nop)
+    (ref_x,), ref_args = make()
+    (test_x,), test_args = make()
+    f(*ref_args).sum().backward()
+    out = cf(*test_args)
+    torch.testing.assert_close(test_args[1], torch.full((4,), 2.0))  # not before the backward
+    out.sum().backward()
+    torch.testing.assert_close(test_args[1], ref_args[1])
+    torch.testing.assert_close(test_x.grad, ref_x.grad)
+    assert test_args[1][0].item() == 3.0
+
+
+def test_backward_mutation_of_input_requiring_grad_raises():
+    def f(x, buf):
+        return _BwMutatesBuffer.apply(x, buf)
+
+    with pytest.raises(aotgrad.BackwardMutationError, match="input 1"):
+        aot_function(f, nop)(torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True))
+
+
+def test_backward_mutation_of_grad_output_raises():
+    class MutGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            g.mul_(2)
+            return g.clone()
+
+    with pytest.raises(aotgrad.BackwardMutationError):
+        aot_function(lambda a, b: MutGrad.apply(a * b), nop)(torch.ones(2, requires_grad=True), torch.ones(2))
+
+
+def test_backward_metadata_mutation_raises():
+    class MetaMut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(b)
+            return a.clone(), b.clone()
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            (b,) = ctx.saved_tensors
+            b.transpose_(1, 0)
+            return ga.clone(), gb.clone()
+
+    def f(a, b):
+        x, y = MetaMut.apply(a, b)
+        return x * y
+
+    with pytest.raises(aotgrad.BackwardMutationError, match="metadata"):
+        aot_function(f, nop)(torch.ones(3, 3, requires_grad=True), torch.ones(3, 3))
+
+
+# --- 6. modules ----------------------------------------------------------------------------------
+
+
+def _train_step_matches(model_fn, x, steps=2):
+    eager = model_fn()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aot_module(compiled_model, nop)
+    for _ in range(steps):
+        ref = eager(x)
+        out = compiled(x)
+        torch.testing.assert_close(out, ref)
+        ref.square().sum().backward()
+        out.square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    for (name, b), c in zip(eager.named_buffers(), compiled_model.buffers()):
+        torch.testing.assert_close(c, b, msg=name)
+
+
+def test_module_mlp_layernorm_grads_land_in_params():
+    torch.manual_seed(0)
+    _train_step_matches(lambda: nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2)), torch.randn(5, 4))
+
+
+def test_module_batchnorm_train_updates_buffers():
+    torch.manual_seed(0)
+    _train_step_matches(lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), torch.randn(2, 3, 6, 6), steps=3)
+
+
+def test_module_batchnorm_eval_inference_has_no_copy():
+    cell = GraphCell()
+    m = nn.BatchNorm2d(4).eval()
+    cm = aot_module(m, cell, keep_inference_input_mutations=True)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(torch.ones(4, 4, 4, 4)), m(torch.ones(4, 4, 4, 4)))
+    assert "copy_" not in cell.graphs[0].code
+
+
+def test_aot_module_simplified_lifts_params():
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    m2 = copy.deepcopy(m)
+    x = torch.randn(4, 3)
+    fwd = aotgrad.aot_module_simplified(m2, [x], nop)
+    out = fwd(x)
+    ref = m(x)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(m2.weight.grad, m.weight.grad)
+
+
+# --- 7. never reuse a graph that no longer fits --------------------------------------------------
+
+
+def test_aliasing_change_recompiles():
+    def f(a, b):
+        a.add_(1)
+        return a + b
+
+    cf = aot_function(f, nop)
+    x, y = torch.zeros(3), torch.zeros(3)
+    cf(x, y)
+    z = torch.zeros(3)
+    out = cf(z, z)
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+    assert len(cf.cache) == 2
+
+
+def test_grad_mode_change_recompiles():
+    cf = aot_function(lambda x: x * 2, nop)
+    x = torch.randn(3, requires_grad=True)
+    assert cf(x).requires_grad
+    with torch.no_grad():
+        assert not cf(x).requires_grad
