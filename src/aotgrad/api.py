@@ -79,16 +79,31 @@ class CompiledFunction:
         self.fn = fn
         self.config = config
         self.cache: dict[tuple, Callable] = {}
+        self.fast: list[tuple[Callable, Callable]] = []  # (guard, run) for flat positional calls
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
+        if not kwargs:
+            for guard, run in self.fast:
+                if guard(args):
+                    return run(args)
+        return self._call_slow(args, kwargs)
+
+    def _call_slow(self, args: tuple, kwargs: dict):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = inputs_stage.signature(leaves, spec)
         run = self.cache.get(key)
         if run is None:
             run = compile_signature(self.fn, leaves, spec, self.config)
             self.cache[key] = run
+            guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
+            if guard is not None:
+                self.fast.insert(0, (guard, run))
         return run(leaves)
+
+
+def _plan_depends_on_aliasing(plan) -> bool:
+    return bool(plan.layout.leaf_views) or any(m.any or m.in_backward for m in plan.mutations)
 
 
 def aot_function(

@@ -178,3 +178,50 @@ def primal_values(layout: InputLayout, leaves: Sequence[Any]) -> list[torch.Tens
         else:
             out.append(storage_base(x))
     return out
+
+
+def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: bool):
+    """Generated straight-line check that positional `args` match this signature, or None when the
+    call had keyword arguments or nested containers (those take the slow path: flatten + key).
+
+    It checks what `signature` keys on, except storage sharing between distinct tensors, which it
+    checks only when `check_aliasing` (the plan mutates an input or merged aliased inputs): a
+    functional graph gives eager's results for inputs that overlap in memory.
+    """
+    n = len(leaves)
+    if spec != pytree.tree_flatten((tuple(leaves), {}))[1]:
+        return None
+    scope: dict[str, Any] = {"_grad_enabled": torch.is_grad_enabled, "_alias_key": alias_key}
+    conds = [f"len(args) == {n}", f"_grad_enabled() is {torch.is_grad_enabled()}"]
+    first: dict[int, int] = {}
+    for i, x in enumerate(leaves):
+        v = f"args[{i}]"
+        scope[f"_T{i}"] = type(x)
+        if isinstance(x, torch.Tensor):
+            if id(x) in first:
+                conds.append(f"{v} is args[{first[id(x)]}]")
+                continue
+            first[id(x)] = i
+            scope[f"_S{i}"], scope[f"_ST{i}"] = x.shape, x.stride()
+            scope[f"_D{i}"], scope[f"_DEV{i}"] = x.dtype, x.device
+            conds += [
+                f"type({v}) is _T{i}", f"{v}.requires_grad is {x.requires_grad}", f"{v}.shape == _S{i}",
+                f"{v}.stride() == _ST{i}", f"{v}.storage_offset() == {x.storage_offset()}",
+                f"{v}.dtype is _D{i}", f"{v}.device == _DEV{i}",
+            ]
+            if check_aliasing:
+                conds.append(f"{v}.is_leaf is {x.is_leaf}")
+        elif isinstance(x, _HASHABLE_CONSTANTS):
+            scope[f"_C{i}"] = x
+            conds += [f"type({v}) is _T{i}", f"{v} == _C{i}"]
+        else:
+            scope[f"_C{i}"] = x
+            conds.append(f"{v} is _C{i}")
+    if check_aliasing:
+        scope["_AK"] = alias_key(leaves)
+        conds.append("_alias_key(args) == _AK")
+    src = "def guard(args):\n    return (\n        " + "\n        and ".join(conds) + "\n    )\n"
+    exec(compile(src, "<aotgrad guard>", "exec"), scope)
+    guard = scope["guard"]
+    guard.__aotgrad_source__ = src
+    return guard
