@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -113,8 +113,8 @@ def _is_view_op(func) -> bool:
 
 def _probe_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A fresh fake tensor with `t`'s size/stride/offset, standing in for the run-time base."""
-    with disable_proxy_modes_tracing():
-        size, stride, offset = meta_of(t)
+    size, stride, offset = meta_of(t)
+    with disable_functional_mode(), disable_proxy_modes_tracing():
         storage_numel = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else offset
         flat = torch.empty(max(storage_numel, 1), dtype=t.dtype, device=t.device)
         probe = flat.as_strided(size, stride, offset)
@@ -128,7 +128,7 @@ def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[Vi
     """Replay `out`'s autograd view function on `base_probe`, returning the ops and the result."""
     recorder = _ViewRecorder(base_probe)
     try:
-        with disable_proxy_modes_tracing(), recorder:
+        with disable_functional_mode(), disable_proxy_modes_tracing(), recorder:
             result = out._view_func_unsafe(base_probe)
     except Exception:
         return None

@@ -36,8 +36,10 @@ from torch.utils import _pytree as pytree
 
 from . import analysis
 from .errors import (
+    AotgradError,
     BackwardMutationError,
     InplaceOnLeafError,
+    UnsupportedAliasingError,
     UnsupportedMutationError,
     UnsupportedOutputError,
 )
@@ -128,6 +130,13 @@ def capture(
     try:
         with fake_mode:
             gm = make_fx(traced, decomposition_table=decompositions or {})(list(fake_primals))
+    except RuntimeError as e:
+        if "frozen storage" in str(e):
+            raise UnsupportedMutationError(
+                "aotgrad: the program mutates a view of an input after set_() replaced that input's "
+                "storage; functionalization cannot follow the old view. Take the view after set_()."
+            ) from e
+        raise
     finally:
         torch._C._set_view_replay_enabled(view_replay)
     _finish_graph(gm, state["in_graph_mutated"])
@@ -150,7 +159,17 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     fw = _Forward(out_spec=out_spec)
     _check_storage_groups(storage_groups, user_leaves)
     _analyse_inputs(fw, layout, leaves, primals, funs, bases, grad_fns, training, keep_in_graph)
-    _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training)
+    try:
+        with mode:  # reading autograd facts off views of mutated tensors replays view functions
+            _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training)
+    except (RuntimeError, ValueError) as e:
+        if isinstance(e, AotgradError):
+            raise
+        raise UnsupportedAliasingError(
+            "aotgrad: an output is a view whose base was changed in place (e.g. by t_() or set_()) after "
+            f"the view was taken, and its autograd history cannot be rebuilt ({type(e).__name__}: "
+            f"{str(e).splitlines()[0]}). Return a .clone() of that view."
+        ) from e
 
     grads: list = []
     num_tangents = 0

@@ -92,9 +92,13 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         fw.emit(f"ctx.save_for_backward(*outs[{n_out}:{n_out + n_t}])")
     if n_o:
         fw.emit(f"ctx.saved_other = outs[{n_out + n_t}:{n_out + n_t + n_o}]")
+    # A view of a graph intermediate returned from a custom Function may not be mutated in place
+    # later; the user's tensor is no view in eager, so hand autograd a non-view alias.
+    fw.globals["_non_view"] = _non_view
+    fw.emit(f"outs = {_tuple_src([f'_non_view(outs[{i}], primals)' for i in range(n_out)])}")
     if nondiff:
         fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
-    fw.emit(f"return tuple(outs[:{n_out}])")
+    fw.emit("return outs")
     forward = fw.build("forward", "def forward(ctx, *primals):")
 
     bw = _Source()
@@ -113,6 +117,14 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(once_differentiable(backward))},
     )
+
+
+def _non_view(t, primals):
+    if isinstance(t, torch.Tensor) and t._is_view():
+        base = t._base
+        if not any(base is p or base is p._base for p in primals):
+            return t.detach()
+    return t
 
 
 def _contiguous(g: torch.Tensor) -> torch.Tensor:
@@ -143,6 +155,11 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
         n = compiled.num_fw_outputs
         target = _tuple_src(results) if n else "_"
         src.emit(f"{target} = {call}([{', '.join(primals)}])[:{n}]" if plan.is_training else f"{target} = {call}([{', '.join(primals)}])")
+        nv = src.bind("non_view", _non_view)
+        prim = _tuple_src(primals)
+        for s in plan.out_sources:
+            if isinstance(s, GraphOutput):  # as in make_autograd_function: no view of a hidden tensor
+                src.emit(f"r{s.index} = {nv}(r{s.index}, {prim})")
     _emit_epilogue(src, plan)
     names = [_emit_output(src, i, s) for i, s in enumerate(plan.out_sources)]
     src.emit(f"return {_structure(src, plan.out_spec, names)}")
