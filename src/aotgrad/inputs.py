@@ -86,6 +86,11 @@ def signature(leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
 
 def check_supported(leaves: Sequence[Any]) -> None:
     for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and _is_wrapper(x):
+            raise UnsupportedInputError(
+                f"aotgrad: input {i} is a tensor subclass ({type(x).__name__}); aotgrad does not trace "
+                "tensor subclasses yet. Pass its inner tensors as separate inputs."
+            )
         if isinstance(x, torch.Tensor) and x.layout is not torch.strided:
             raise UnsupportedInputError(
                 f"aotgrad: input {i} has layout {x.layout}; only strided (dense) tensors can be graph "
