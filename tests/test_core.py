@@ -665,3 +665,36 @@ def test_grad_mode_change_recompiles():
     assert cf(x).requires_grad
     with torch.no_grad():
         assert not cf(x).requires_grad
+
+
+# --- export --------------------------------------------------------------------------------------
+
+
+def test_aot_export_joint_simple_joint_and_forward():
+    def f(x, w):
+        return (x @ w).relu().sum(0)
+
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    joint = aotgrad.aot_export_joint_simple(f, [x, w], trace_joint=True)
+    names = [n.name for n in joint.graph.nodes if n.op == "placeholder"]
+    assert names == ["primals_1", "primals_2", "tangents_1"]
+    tangent = torch.randn(2)
+    out, gx, gw = joint(x, w, tangent)
+    ref = f(x, w)
+    ref_gx, ref_gw = torch.autograd.grad(ref, (x, w), tangent)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, ref_gx)
+    torch.testing.assert_close(gw, ref_gw)
+    fwd = aotgrad.aot_export_joint_simple(f, [x, w], trace_joint=False)
+    torch.testing.assert_close(fwd(x, w)[0], ref)
+
+
+def test_aot_export_joint_simple_refuses_mutation_and_aliasing():
+    def mutates(x):
+        x.add_(1)
+        return x * 2
+
+    with pytest.raises(aotgrad.UnsupportedMutationError):
+        aotgrad.aot_export_joint_simple(mutates, [torch.randn(3)], trace_joint=False)
+    with pytest.raises(aotgrad.UnsupportedOutputError):
+        aotgrad.aot_export_joint_simple(lambda x: x.view(-1), [torch.randn(3, 3)], trace_joint=False)

@@ -8,6 +8,7 @@ gradients identical to eager. See ARCHITECTURE.md for the pipeline.
 from .api import (
     AOTModule,
     CompiledFunction,
+    aot_export_joint_simple,
     aot_function,
     aot_module,
     aot_module_simplified,
@@ -37,6 +38,7 @@ __all__ = [
     "UnsupportedInputError",
     "UnsupportedMutationError",
     "UnsupportedOutputError",
+    "aot_export_joint_simple",
     "aot_function",
     "aot_module",
     "aot_module_simplified",
