@@ -226,7 +226,7 @@ def aot_export_joint_simple(
     *,
     trace_joint: bool,
     num_params_buffers: int = 0,
-    decompositions: Optional[dict] = None,
+    decompositions: dict | None = None,
 ) -> torch.fx.GraphModule:
     """Trace `func(*args)` into one graph with no run-time wrapping: the joint forward+backward graph
     (`primals_*`, `tangents_*` -> forward outputs, then one gradient per input) when `trace_joint`,
