@@ -698,3 +698,59 @@ def test_aot_export_joint_simple_refuses_mutation_and_aliasing():
         aotgrad.aot_export_joint_simple(mutates, [torch.randn(3)], trace_joint=False)
     with pytest.raises(aotgrad.UnsupportedOutputError):
         aotgrad.aot_export_joint_simple(lambda x: x.view(-1), [torch.randn(3, 3)], trace_joint=False)
+
+
+# --- inputs with storage offsets and gaps ---------------------------------------------------------
+
+
+def _gappy(rg):
+    def make():
+        base = torch.arange(12.0).reshape(3, 4).requires_grad_(rg)
+        x = base.clone()
+        return (base,), (x[:, 1:3],)
+
+    return make
+
+
+@RG
+def test_noncontiguous_input_mutated_then_viewed(rg):
+    def f(a):
+        a.mul_(2)
+        return a.t(), a[0]
+
+    check_against_eager(f, _gappy(rg))
+
+
+@RG
+def test_noncontiguous_input_metadata_mutation_and_view(rg):
+    def f(a):
+        a.t_()
+        return a[0], a
+
+    check_against_eager(f, _gappy(rg))
+
+
+@RG
+def test_input_with_storage_offset_metadata_mutation(rg):
+    def make():
+        base = torch.arange(12.0).requires_grad_(rg)
+        x = base.clone()
+        return (base,), (x[3:9].view(2, 3),)
+
+    def f(a):
+        a.transpose_(0, 1)
+        return a * 2, a[1]
+
+    check_against_eager(f, make)
+
+
+def test_noncontiguous_data_and_metadata_mutation_is_refused_or_matches():
+    def f(a):
+        a.mul_(2)
+        a.t_()
+        return a[0]
+
+    try:
+        check_against_eager(f, _gappy(True))
+    except aotgrad.AotgradError:
+        pass

@@ -23,15 +23,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .plan import InputMutation, ViewChain, ViewStep
 
 
-def input_mutation(base: FunctionalTensor, grad_fn_before: Any = None) -> InputMutation:
+def input_mutation(base: FunctionalTensor, grad_fn_before: Any = None, count_before: int = 0) -> InputMutation:
     """What the forward did to one graph input, from its functional wrapper's flags.
 
-    Autograd saw a data mutation iff the wrapper's `grad_fn` changed: mutations under `no_grad` or
-    through a `.detach()`ed alias leave it alone, exactly as they leave eager's alone.
+    Data mutations are counted from `count_before`. Autograd saw one iff the wrapper's `grad_fn`
+    changed: mutations under `no_grad` or through a `.detach()`ed alias leave it alone, exactly as they
+    leave eager's alone.
     """
     elem = base.elem
     torch._sync(base)
-    data = torch._functionalize_has_data_mutation(elem)
+    data = mutation_count(base) > count_before
     return InputMutation(
         data=data,
         visible_to_autograd=data and base.grad_fn is not grad_fn_before,
@@ -178,7 +179,9 @@ def view_chain(
     if recorded is None:
         return _as_strided_chain(out, base, no_grad)
     steps, result = recorded
-    if meta_of(result) != meta_of(out):
+    # Only sizes are compared: after a data mutation functionalization may give views of a
+    # non-contiguous tensor other strides than eager; replaying the view ops on the real base is right.
+    if result.shape != out.shape:
         return _as_strided_chain(out, base, no_grad)
     if out.requires_grad and not no_grad:
         expected = _grad_fn_names(out, base.grad_fn)
@@ -187,9 +190,22 @@ def view_chain(
     return ViewChain(steps=steps, no_grad=no_grad)
 
 
+_VIEW_BACKWARDS = (
+    "View", "Alias", "AsStrided", "T", "Transpose", "Permute", "Select", "Slice", "Unsqueeze", "Squeeze",
+    "Expand", "Diagonal", "Unbind", "Split", "SplitWithSizes", "Narrow", "Unfold", "Real", "Imag",
+    "ViewAsReal", "ViewAsComplex", "Reshape", "Indices", "Values", "Chunk", "Movedim", "Swapaxes",
+)
+
+
+def _is_view_backward(name: str) -> bool:
+    stem = name.rstrip("0123456789")
+    return stem.endswith("Backward") and stem[: -len("Backward")] in _VIEW_BACKWARDS
+
+
 def _pure_view_history(out: torch.Tensor, base: torch.Tensor) -> bool:
+    """True when every autograd node between `out` and `base` is a view's backward."""
     names = _grad_fn_names(out, base.grad_fn)
-    return bool(names) and all("View" in n or "AsStrided" in n or "Alias" in n for n in names)
+    return bool(names) and all(_is_view_backward(n) for n in names)
 
 
 def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, no_grad: bool) -> ViewChain | None:

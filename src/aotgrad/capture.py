@@ -18,11 +18,12 @@ are no-ops.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import (
@@ -88,6 +89,7 @@ class _Forward:
     mutations: list = field(default_factory=list)
     epilogue: list = field(default_factory=list)
     prologue: list = field(default_factory=list)
+    relayout: set = field(default_factory=set)  # primals whose functional value changed layout
 
 
 def make_fake_mode(leaves: Sequence[Any]) -> FakeTensorMode:
@@ -147,21 +149,23 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     mode = FunctionalTensorMode()
     with mode:
         funs = [FunctionalTensor.to_functional(p) for p in primals]
-        bases = [f.clone() if training and f.requires_grad else f for f in funs]
+        bases = [_clone_for_grad(f, p) if training and f.requires_grad else f for f, p in zip(funs, primals)]
     _tag_input_clones(bases, funs)
-    grad_fns = [b.grad_fn for b in bases]
-    user_leaves = _user_leaves(layout, bases, mode)
+    # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
+    shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
+    before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
+    user_leaves = _user_leaves(layout, bases, shifts, mode)
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
     with mode:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
 
     fw = _Forward(out_spec=out_spec)
-    _check_storage_groups(storage_groups, user_leaves)
-    _analyse_inputs(fw, layout, leaves, primals, funs, bases, grad_fns, training, keep_in_graph)
+    _check_storage_groups(storage_groups, user_leaves, {id(b): n for b, (_, n) in zip(bases, before)})
+    _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph)
     try:
         with mode:  # reading autograd facts off views of mutated tensors replays view functions
-            _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training)
+            _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
     except (RuntimeError, ValueError) as e:
         if isinstance(e, AotgradError):
             raise
@@ -200,7 +204,40 @@ def _tag_input_clones(bases, funs) -> None:
             get_proxy_slot(inner, tracer).proxy.node.meta[INPUT_CLONE] = True
 
 
-def _user_leaves(layout: InputLayout, bases, mode) -> list:
+def _clone_for_grad(f: FunctionalTensor, primal: torch.Tensor) -> FunctionalTensor:
+    """A copy the program may mutate, with the input's strides (clone() keeps them only when the input
+    is dense), so metadata read off it maps to the caller's tensor by a shift of the storage offset."""
+    if is_non_overlapping_and_dense_or_false(primal) or torch._debug_has_internal_overlap(primal) == 1:
+        return f.clone()
+    out = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=f.device)
+    out.copy_(f)  # analysis counts mutations from after this one (capture._trace_body)
+    return out
+
+
+def _offset_shift(primal: torch.Tensor, base: FunctionalTensor) -> int | None:
+    if primal.stride() != base.stride():
+        return None  # an overlapping input: no storage mapping (checked where it is needed)
+    return primal.storage_offset() - base.storage_offset()
+
+
+def _shifted(name: str, shift: int | None, size, stride, offset) -> tuple:
+    if shift is None:
+        raise UnsupportedAliasingError(
+            f"aotgrad: {name} has overlapping memory (e.g. an expand()) and requires grad; aotgrad cannot "
+            "replay a metadata mutation or an as_strided alias of it. Pass a .contiguous() copy."
+        )
+    return size, stride, offset + shift
+
+
+def _no_storage_coordinates(what: str) -> AotgradError:
+    return UnsupportedAliasingError(
+        f"aotgrad: {what} would need as_strided in the caller's storage after a data mutation of a "
+        "non-contiguous input, whose layout functionalization does not keep. Pass a .contiguous() input "
+        "or return a .clone()."
+    )
+
+
+def _user_leaves(layout: InputLayout, bases, shifts, mode) -> list:
     """The flat arguments the program sees: graph inputs, constants and views of synthetic bases."""
     out = []
     for i in range(layout.num_leaves):
@@ -208,8 +245,9 @@ def _user_leaves(layout: InputLayout, bases, mode) -> list:
             out.append(layout.constants[i])
         elif i in layout.leaf_views:
             v = layout.leaf_views[i]
+            shift = shifts[v.primal] or 0
             with mode:
-                out.append(bases[v.primal].as_strided(v.size, v.stride, v.offset))
+                out.append(bases[v.primal].as_strided(v.size, v.stride, v.offset - shift))
         else:
             out.append(bases[layout.leaf_primal[i]])
     # Duplicated synthetic-base members must stay the same object.
@@ -219,28 +257,25 @@ def _user_leaves(layout: InputLayout, bases, mode) -> list:
     return out
 
 
-def _check_storage_groups(groups, user_leaves) -> None:
+def _check_storage_groups(groups, user_leaves, counts_before: dict[int, int]) -> None:
     """Inputs that share a storage but were traced as separate graph inputs must not be mutated."""
-    mutated = []
-    for g in groups:
-        if any(_leaf_mutated(user_leaves[i]) for i in g):
-            mutated.append(list(g))
+    mutated = [list(g) for g in groups if any(_leaf_mutated(user_leaves[i], counts_before) for i in g)]
     if mutated:
         raise NeedsSyntheticBase(mutated)
 
 
-def _leaf_mutated(t) -> bool:
+def _leaf_mutated(t, counts_before: dict[int, int]) -> bool:
     if not isinstance(t, FunctionalTensor):
         return False
-    m = analysis.input_mutation(t)
+    m = analysis.input_mutation(t, None, counts_before.get(id(t), 0))
     return m.data or m.metadata or m.storage
 
 
-def _analyse_inputs(fw, layout, leaves, primals, funs, bases, grad_fns, training, keep_in_graph) -> None:
+def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph) -> None:
     grad_on = torch.is_grad_enabled()
     copies, sets = [], []
     for k, (p, f, b) in enumerate(zip(primals, funs, bases)):
-        m = analysis.input_mutation(b, grad_fns[k])
+        m = analysis.input_mutation(b, *before[k])
         name = _primal_name(layout, k)
         if analysis.was_resized(b):
             raise UnsupportedMutationError(
@@ -268,8 +303,14 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, grad_fns, training
                 f"aotgrad: {name} is set_() to another tensor and also mutated where autograd records "
                 "it; aotgrad cannot replay both. Do the data mutation under torch.no_grad()."
             )
+        if m.data and analysis.meta_of(b) != analysis.meta_of(analysis.unwrap(b)):
+            # The functional value of a mutated non-dense input lost the input's layout; metadata read
+            # off its views is not in the caller's storage coordinates.
+            fw.relayout.add(k)
         if m.metadata and not m.storage:
-            fw.epilogue.append(Restride(k, *analysis.meta_of(analysis.unwrap(b))))
+            if k in fw.relayout:
+                raise _no_storage_coordinates(name)
+            fw.epilogue.append(Restride(k, *_shifted(name, shifts[k], *analysis.meta_of(b))))
         if m.storage:
             other = _storage_owner(b, bases, k)
             if other is not None:
@@ -312,7 +353,7 @@ def _add_fw_value(fw: _Forward, t, kind, differentiable: bool) -> int:
     return len(fw.fw_values) - 1
 
 
-def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training) -> None:
+def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training) -> None:
     leaf_of = {}
     for i, x in enumerate(user_leaves):
         if isinstance(x, torch.Tensor):
@@ -343,6 +384,10 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, training) -> None
         if sid in base_storage:
             k = base_storage[sid]
             chain = analysis.view_chain(o, bases[k], k in metadata_mutated)
+            if chain is not None and chain.as_strided is not None:
+                if k in fw.relayout:
+                    raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")
+                chain = replace(chain, as_strided=_shifted(f"output {pos}", shifts[k], *chain.as_strided))
             sources[pos] = AliasOfPrimal(k, chain) if chain is not None else ("plain", o)
             continue
         if o._base is not None:
@@ -462,9 +507,9 @@ def _finish_graph(gm: torch.fx.GraphModule, in_graph_mutated: set[int]) -> None:
     primal_nodes = [n for n in placeholders if n.name.startswith("primals")]
     for n in list(graph.nodes):
         if n.meta.get(INPUT_CLONE):
-            src = n.args[0]
+            src = next(a for a in n.all_input_nodes if a.op == "placeholder")
             k = primal_nodes.index(src)
-            same = analysis.meta_of(src.meta["val"]) == analysis.meta_of(n.meta["val"])
+            same = analysis.meta_of(src.meta["val"])[:2] == analysis.meta_of(n.meta["val"])[:2]
             if same and k not in in_graph_mutated:
                 n.replace_all_uses_with(src)
                 graph.erase_node(n)
