@@ -31,8 +31,11 @@ test-long: install
 bench: install
 	$(BIN)/python benchmarks/run_all.py
 
+fuzz: install
+	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED)
+
 lint: install
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
