@@ -754,3 +754,31 @@ def test_noncontiguous_data_and_metadata_mutation_is_refused_or_matches():
         check_against_eager(f, _gappy(True))
     except aotgrad.AotgradError:
         pass
+
+
+# --- regressions found by the OpInfo sweep ---------------------------------------------------------
+
+
+@RG
+def test_ops_with_ordered_side_effects_keep_their_checks(rg):
+    def make():
+        a = (torch.eye(3) * 2 + 0.1).requires_grad_(rg)
+        return (a,), (a,)
+
+    cf = check_against_eager(torch.linalg.inv, make)
+    with pytest.raises(RuntimeError, match="diagonal element"):
+        cf(torch.zeros(3, 3, requires_grad=rg))
+
+
+@RG
+def test_tensor_constant_created_inside(rg):
+    check_against_eager(lambda x: x[torch.tensor([0, 2])] * 2, leaf_inputs((3, 2), requires_grad=rg))
+
+
+@RG
+def test_view_as_real_outputs(rg):
+    def make():
+        a = torch.complex(torch.linspace(-1, 1, 6), torch.linspace(0, 2, 6)).reshape(2, 3).requires_grad_(rg)
+        return (a,), (a,)
+
+    check_against_eager(lambda x: (torch.view_as_real(x * 2), torch.view_as_real(x)), make, mutate_outputs=False)

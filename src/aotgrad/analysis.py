@@ -169,11 +169,11 @@ def view_chain(
     no_grad = base.requires_grad and out.grad_fn is None
     if out._base is not base:
         # Shares storage without an autograd view relation: .detach(), alias under no_grad...
-        if out.requires_grad:
+        if out.requires_grad or out.dtype != base.dtype:
             return None
         return ViewChain(as_strided=meta_of(out), detach=True)
     if base_metadata_mutated:
-        return ViewChain(as_strided=meta_of(out), no_grad=no_grad)
+        return _as_strided_chain(out, base, no_grad)
     probe = _probe_like(base, requires_grad=base.requires_grad and not no_grad)
     recorded = _record_chain(out, probe)
     if recorded is None:
@@ -209,6 +209,8 @@ def _pure_view_history(out: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, no_grad: bool) -> ViewChain | None:
+    if out.dtype != base.dtype:  # as_strided cannot reinterpret (view_as_real, view(dtype))
+        return None
     if out.requires_grad and not no_grad and not _pure_view_history(out, base):
         return None
     return ViewChain(as_strided=meta_of(out), no_grad=no_grad)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._higher_order_ops.effects import _EffectType as EffectType
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -148,6 +149,7 @@ def capture(
 def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, storage_groups):
     mode = FunctionalTensorMode()
     with mode:
+        initial_token = _seed_effect_token(mode)
         funs = [FunctionalTensor.to_functional(p) for p in primals]
         bases = [_clone_for_grad(f, p) if training and f.requires_grad else f for f, p in zip(funs, primals)]
     _tag_input_clones(bases, funs)
@@ -179,6 +181,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     num_tangents = 0
     if training:
         grads, num_tangents = _trace_backward(fw, primals, funs, bases, mode)
+    _sink_effect_token(mode, initial_token)
     requires_grad = tuple(_wants_grad(p, f) for p, f in zip(primals, funs))
     state["plan"] = Plan(
         layout=layout,
@@ -194,6 +197,21 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     state["num_tangents"] = num_tangents
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}
     return list(fw.fw_values) + list(grads)
+
+
+def _seed_effect_token(mode: FunctionalTensorMode):
+    """Ops with ordered side effects (e.g. linalg error checks) are threaded through a token by
+    functionalization; ours starts inside the graph, so the run time passes nothing extra."""
+    token = torch.empty(0)
+    mode._tokens[EffectType.ORDERED] = token
+    return token
+
+
+def _sink_effect_token(mode: FunctionalTensorMode, initial) -> None:
+    """Keep the effectful ops alive: sink the last token (an impure op that DCE keeps)."""
+    token = mode._tokens.get(EffectType.ORDERED)
+    if token is not None and token is not initial:
+        torch.ops.prims._sink_tokens.default([analysis.unwrap(token)])
 
 
 def _tag_input_clones(bases, funs) -> None:

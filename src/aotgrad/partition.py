@@ -14,6 +14,7 @@ mutations (a backward that writes into a graph input) always go to the backward 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -60,7 +61,8 @@ def extract_graph(
             continue
         env[node] = new.node_copy(node, lambda n: env[n])
     new.output([env[o] if isinstance(o, Node) else o for o in outputs])
-    return GraphModule(torch.nn.Module(), new)
+    # Root on the joint module so constants the trace stored as attributes (get_attr) come along.
+    return GraphModule(joint.owning_module or torch.nn.Module(), new)
 
 
 def _is_backward_mutation(node: Node) -> bool:
@@ -77,24 +79,48 @@ def default_partition(
     tangents = [n for n in placeholders if n.name.startswith("tangents")]
     outs = _flat_outputs(graph)
     fw_outs, bw_outs = outs[:num_fwd_outputs], outs[num_fwd_outputs:]
-    bw_effects = [n for n in graph.nodes if _is_backward_mutation(n)]
-
-    fw_nodes = _ancestors(fw_outs, stop=set(tangents))
     tangent_dependent = _descendants(tangents)
+    fw_effects, bw_effects = side_effects(graph, tangent_dependent)
+
+    fw_nodes = _ancestors(list(fw_outs) + fw_effects, stop=set(tangents))
     fw_nodes -= tangent_dependent
     bw_needed = _ancestors(list(bw_outs) + bw_effects, stop=fw_nodes)
     saved = [n for n in graph.nodes if n in fw_nodes and n in bw_needed and _used_by(n, bw_needed - fw_nodes)]
     saved += [p for p in primals if p in bw_needed and p not in fw_nodes]
     saved += [o for o in bw_outs if o in fw_nodes]
-    return build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects)
+    return build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects, fw_effects)
 
 
-def build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects):
+def side_effects(graph: Graph, tangent_dependent: set[Node]) -> tuple[list[Node], list[Node]]:
+    """Impure nodes no output depends on (token sinks, mutations kept in the graph), split into those
+    the forward runs and those the backward runs (tagged backward mutations, or needing tangents)."""
+    fw, bw = [], []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.users or not n.is_impure():
+            continue
+        (bw if _is_backward_mutation(n) or n in tangent_dependent else fw).append(n)
+    return fw, bw
+
+
+def build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects, fw_effects=()):
     """Forward/backward modules from a choice of saved values (shared by all partitioners)."""
-    saved = _order_saved(graph, saved)
-    fw_module = extract_graph(graph, primals, list(fw_outs) + saved)
+    saved = _order_saved(graph, _items_not_tuples(saved, list(bw_outs) + list(bw_effects), tangents))
+    fw_module = extract_graph(graph, primals, list(fw_outs) + saved, fw_effects)
     bw_module = extract_graph(graph, saved + tangents, list(bw_outs), bw_effects)
     return fw_module, bw_module
+
+
+def _items_not_tuples(saved: list[Node], bw_roots: list, tangents: list[Node]) -> list[Node]:
+    """A multi-output op (native_layer_norm, sdpa...) is saved as the items the backward reads,
+    never as the tuple: graph compilers (Inductor) only return tensors and symbolic ints."""
+    multi = [n for n in saved if isinstance(n.meta.get("val"), (tuple, list))]
+    if not multi:
+        return saved
+    reads = _ancestors(bw_roots, stop=set(saved) | set(tangents))
+    out = [n for n in saved if n not in multi]
+    for n in multi:
+        out += [u for u in n.users if u.target is operator.getitem and u in reads]
+    return out
 
 
 def _order_saved(graph: Graph, saved: list[Node]) -> list[Node]:
