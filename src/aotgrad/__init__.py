@@ -51,3 +51,37 @@ __all__ = [
     "nop",
     "print_graph",
 ]
+
+# Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
+# (residuals.py).
+from .partition_mincut import (  # noqa: E402
+    POLICIES,
+    PartitionInfo,
+    checkpoint_name,
+    min_cut_rematerialization_partition,
+    mincut_partitioner,
+    recompute_names,
+    save_everything,
+    save_matmuls,
+    save_names,
+    save_nothing,
+    save_only_these_names,
+)
+from .residuals import ResidualReport, saved_residuals, saved_residuals_module  # noqa: E402
+
+__all__ += [
+    "POLICIES",
+    "PartitionInfo",
+    "ResidualReport",
+    "checkpoint_name",
+    "min_cut_rematerialization_partition",
+    "mincut_partitioner",
+    "recompute_names",
+    "save_everything",
+    "save_matmuls",
+    "save_names",
+    "save_nothing",
+    "save_only_these_names",
+    "saved_residuals",
+    "saved_residuals_module",
+]

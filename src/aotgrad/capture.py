@@ -132,7 +132,9 @@ def capture(
     torch._C._set_view_replay_enabled(True)
     try:
         with fake_mode:
-            gm = make_fx(traced, decomposition_table=decompositions or {})(list(fake_primals))
+            gm = make_fx(
+                traced, decomposition_table=decompositions or {}, _disable_torch_fn_metadata_mode=True
+            )(list(fake_primals))
     except RuntimeError as e:
         if "frozen storage" in str(e):
             raise UnsupportedMutationError(

@@ -1,0 +1,446 @@
+"""The residual report: what a compiled forward hands to its backward, and what the backward redoes.
+
+`saved_residuals(fn, *args, partition_fn=None, **kwargs)` (and `saved_residuals_module(mod, *args)`)
+compiles the program with aotgrad and the given partitioner (None: `aot_function`'s default), runs
+it once, and lists:
+
+- every value the forward graph saves for the backward: shape, dtype, bytes, the op that produced it
+  (or the input it is), and the user source line that created it;
+- every op the backward recomputes (an op that appears in both graphs), grouped by op and line;
+- totals: bytes by shape x itemsize, the unique storages actually handed to `save_for_backward` at
+  run time, and what eager PyTorch saves for the same program (unique storages packed by
+  `torch.autograd.graph.saved_tensors_hooks`).
+
+Source lines: while the program is traced, a `TorchFunctionMode` notes, for every torch call made
+from user code, the innermost user frame (outside torch, aotgrad and the standard library) and the
+enclosing `nn.Module`, on the graph nodes that call created (`node.meta["stack_trace"]` and
+`node.meta["aotgrad_module"]`). Values created by torch internals alone have no line.
+
+The report is a `ResidualReport`; `str(report)` is the plain-text table.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import os
+import re
+import sys
+import sysconfig
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .partition_mincut import op_class, tensor_nbytes
+
+MODULE_KEY = "aotgrad_module"
+
+__all__ = ["Recomputed", "Residual", "ResidualReport", "saved_residuals", "saved_residuals_module"]
+
+
+@dataclass(frozen=True)
+class Residual:
+    """One value the forward saves for the backward."""
+
+    name: str  # node name in the forward graph
+    shape: tuple[int, ...] | None  # None for a non-tensor value (a symbolic int)
+    dtype: torch.dtype | None
+    nbytes: int
+    op: str  # "input" or the aten op that produced it
+    source: str  # the input's name, or the user line that created the value
+    module: str = ""  # the enclosing nn.Module, when known
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """One forward op that the backward computes again."""
+
+    name: str
+    op: str
+    source: str
+    module: str = ""
+    free: bool = False  # a view, alias or getitem: no work
+
+
+@dataclass
+class ResidualReport:
+    partitioner: str
+    residuals: list[Residual]
+    recomputed: list[Recomputed]
+    saved_bytes: int  # sum of shape x itemsize over the saved tensors
+    runtime_bytes: int  # unique storages handed to save_for_backward, measured at run time
+    runtime_count: int
+    eager_bytes: int  # unique storages eager autograd saves for the same program
+    eager_count: int
+    fw_module: torch.fx.GraphModule | None = field(default=None, repr=False)
+    bw_module: torch.fx.GraphModule | None = field(default=None, repr=False)
+    inference: bool = False  # nothing required grad: one inference graph, nothing saved
+
+    @property
+    def saved_tensors(self) -> list[Residual]:
+        return [r for r in self.residuals if r.shape is not None]
+
+    @property
+    def recomputed_ops(self) -> Counter:
+        return Counter(r.op for r in self.recomputed)
+
+    def __str__(self) -> str:
+        lines = [
+            f"aotgrad saved residuals (partitioner: {self.partitioner})",
+            f"the forward saves {len(self.saved_tensors)} tensors, {_fmt_bytes(self.saved_bytes)}"
+            + (f" and {len(self.residuals) - len(self.saved_tensors)} other values" if len(self.residuals) > len(self.saved_tensors) else "")
+            + f"; eager saves {self.eager_count} storages, {_fmt_bytes(self.eager_bytes)}",
+            "",
+        ]
+        if self.inference:
+            lines.insert(1, "(no input requires grad: aotgrad compiled an inference graph, there is no backward)")
+        rows = [["#", "shape", "dtype", "bytes", "produced by", "source"]]
+        for i, r in enumerate(self.residuals):
+            shape = "-" if r.shape is None else str(tuple(r.shape))
+            dtype = "-" if r.dtype is None else str(r.dtype).replace("torch.", "")
+            src = (r.source or "-") + (f"  [{r.module}]" if r.module else "")
+            rows.append([str(i), shape, dtype, _fmt_bytes(r.nbytes), r.op, src])
+        lines += _table(rows, "rllrll")
+        lines.append("")
+        if self.recomputed:
+            heavy = sum(_is_matmul_name(r.op) for r in self.recomputed)
+            views = [r for r in self.recomputed if r.free]
+            lines.append(
+                f"recomputed in the backward: {len(self.recomputed) - len(views)} ops "
+                f"({heavy} matmul/conv/attention), plus {len(views)} views/getitems (free)"
+            )
+            groups = Counter((r.op, r.source, r.module) for r in self.recomputed if not r.free)
+            rows = [["count", "op", "source"]]
+            for (op, src, mod), n in groups.items():  # in program order
+                rows.append([str(n), op, (src or "-") + (f"  [{mod}]" if mod else "")])
+            if groups:
+                lines += _table(rows, "rll")
+        else:
+            lines.append("recomputed in the backward: nothing")
+        lines.append("")
+        lines.append(
+            f"totals: graph {_fmt_bytes(self.saved_bytes)} in {len(self.saved_tensors)} tensors | "
+            f"run time {_fmt_bytes(self.runtime_bytes)} in {self.runtime_count} storages | "
+            f"eager {_fmt_bytes(self.eager_bytes)} in {self.eager_count} storages"
+        )
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+    return f"{n} B"
+
+
+def _table(rows: list[list[str]], align: str) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(r, widths, align)]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def _is_matmul_name(op: str) -> bool:
+    base = op.split(".")[1] if op.startswith("aten.") else op
+    return base in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "dot", "linear") or (
+        "conv" in base or "attention" in base
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Source lines while tracing.
+# ------------------------------------------------------------------------------------------------
+
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIP_DIRS = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (torch.__file__, __file__)
+) + tuple(
+    d + os.sep for d in {sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("platstdlib", "")} if d
+)
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith(("<frozen", "<eval_with_key")):
+        return False
+    path = os.path.abspath(filename)
+    return not path.startswith(_SKIP_DIRS) and f"{os.sep}functorch{os.sep}" not in path
+
+
+class _SourceRecorder(TorchFunctionMode):
+    """Notes the user line (and nn.Module) behind every graph node a torch call creates."""
+
+    def __init__(self, boundary, module_names: dict[int, str] | None = None):
+        super().__init__()
+        self.boundary = boundary
+        self.module_names = module_names or {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        kwargs = kwargs or {}
+        mode = get_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        before = len(graph.nodes) if graph is not None else 0
+        out = func(*args, **kwargs)
+        if graph is not None and len(graph.nodes) > before:
+            where = self._where()
+            if where is not None:
+                trace, module = where
+                for node in itertools.islice(reversed(graph.nodes), len(graph.nodes) - before):
+                    if trace:
+                        node.meta.setdefault("stack_trace", trace)
+                    if module:
+                        node.meta.setdefault(MODULE_KEY, module)
+        return out
+
+    def _where(self) -> tuple[str, str] | None:
+        frame = sys._getframe(2)
+        user = None
+        module = ""
+        while frame is not None and frame is not self.boundary:
+            code = frame.f_code
+            if user is None and _is_user_file(code.co_filename):
+                user = frame
+            if not module and code.co_name == "forward" and code.co_argcount and not code.co_filename.startswith(_OWN_DIR):
+                owner = frame.f_locals.get(code.co_varnames[0])
+                if isinstance(owner, nn.Module):
+                    name = self.module_names.get(id(owner))
+                    module = f"{name} ({type(owner).__name__})" if name else type(owner).__name__
+            if user is not None and module:
+                break
+            frame = frame.f_back
+        if frame is None:
+            return None  # not called from the program below the report's own call
+        if user is None:
+            return ("", module) if module else None
+        summary = traceback.FrameSummary(user.f_code.co_filename, user.f_lineno, user.f_code.co_name)
+        return "".join(traceback.format_list([summary])).rstrip(), module
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n\s*(.*))?')
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return ""
+    matches = list(_FRAME_RE.finditer(trace))
+    if not matches:
+        return trace.strip().splitlines()[-1]
+    m = matches[-1]
+    filename, line, func, code = m.group(1), m.group(2), m.group(3).strip(), (m.group(4) or "").strip()
+    text = f"{os.path.basename(filename)}:{line} in {func}"
+    return f"{text}: {code}" if code else text
+
+
+# ------------------------------------------------------------------------------------------------
+# Counting saved tensors at run time.
+# ------------------------------------------------------------------------------------------------
+
+
+class _SavedCounter:
+    def __init__(self):
+        self.storages: dict[tuple[int, int], int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            st = t.untyped_storage()
+            if st.nbytes():
+                self.storages[(st.data_ptr(), st.nbytes())] = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+    @property
+    def count(self) -> int:
+        return len(self.storages)
+
+
+def _clone_tree(tree: Any) -> Any:
+    memo: dict[int, torch.Tensor] = {}
+
+    def clone(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in memo:
+            memo[id(x)] = x.detach().clone().requires_grad_(x.requires_grad)
+        return memo[id(x)]
+
+    return pytree.tree_map(clone, tree)
+
+
+# ------------------------------------------------------------------------------------------------
+# The report.
+# ------------------------------------------------------------------------------------------------
+
+
+def _leaf_names_for_function(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
+    """A name per flat argument: the parameter name (plus the pytree path inside it) where known."""
+    try:
+        positional = [
+            p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        positional = []
+    names = []
+    for path, _leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        first, rest = path[1], path[2:]
+        if path[0].idx == 0:
+            head = positional[first.idx] if first.idx < len(positional) else f"args[{first.idx}]"
+        else:
+            head = str(first.key)
+        names.append(head + pytree.keystr(rest))
+    return names
+
+
+def _input_name(plan, k: int, leaf_names: list[str]) -> str:
+    src = plan.layout.primal_sources[k]
+    leaf = getattr(src, "leaf", None)
+    name = leaf_names[leaf] if leaf is not None and leaf < len(leaf_names) else f"graph input {k}"
+    kind = type(src).__name__
+    if kind == "BaseOfLeaf":
+        return f"base of {name}"
+    if kind == "StorageOfLeaf":
+        return f"storage of {name}"
+    return name
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.overloadpacket.__name__}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _build_report(run, leaf_names, partitioner, runtime: _SavedCounter, eager: _SavedCounter) -> ResidualReport:
+    compiled = run.compiled
+    plan = run.plan
+    fw = compiled.fw_module
+    bw = compiled.bw_module
+    if bw is None:  # inference graph: nothing is saved
+        return ResidualReport(partitioner, [], [], 0, runtime.nbytes, runtime.count, eager.nbytes, eager.count, fw, None,
+                              inference=True)
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    saved = list(fw.graph.output_node().args[0])[compiled.num_fw_outputs :]
+    residuals = []
+    total = 0
+    for node in saved:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            op, source = "input", _input_name(plan, placeholders.index(node), leaf_names)
+        elif node.target is torch.ops.aten.clone.default and node.args and node.args[0] in placeholders:
+            k = placeholders.index(node.args[0])
+            op, source = "input (copy)", f"{_input_name(plan, k, leaf_names)}, copied: mutated after the forward"
+        else:
+            op, source = _op_name(node.target), _source_line(node)
+        if isinstance(val, torch.Tensor):
+            nbytes = tensor_nbytes(val)
+            total += nbytes
+            residuals.append(Residual(node.name, tuple(int(s) for s in val.shape), val.dtype, nbytes, op, source,
+                                      node.meta.get(MODULE_KEY, "")))
+        else:
+            residuals.append(Residual(node.name, None, None, 0, op, source or repr(val)))
+    fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    recomputed = [
+        Recomputed(n.name, _op_name(n.target), _source_line(n), n.meta.get(MODULE_KEY, ""),
+                   op_class(n) in ("view", "free"))
+        for n in bw.graph.nodes
+        if n.op == "call_function" and n.name in fw_ops
+    ]
+    return ResidualReport(partitioner, residuals, recomputed, total, runtime.nbytes, runtime.count,
+                          eager.nbytes, eager.count, fw, bw)
+
+
+def _partitioner_name(partition_fn) -> str:
+    if partition_fn is None:
+        return "default_partition"
+    if getattr(partition_fn, "__name__", None):
+        return partition_fn.__name__
+    if hasattr(partition_fn, "func"):  # functools.partial
+        kw = ", ".join(f"{k}={getattr(v, '__name__', None) or repr(v)}" for k, v in partition_fn.keywords.items())
+        return f"{getattr(partition_fn.func, '__name__', 'partition')}({kw})"
+    return repr(partition_fn)
+
+
+def _report(compiled_fn, call_args: tuple, call_kwargs: dict, eager_call: Callable, leaf_names, partition_fn,
+            module_names=None) -> ResidualReport:
+    eager = _SavedCounter()
+    runtime = _SavedCounter()
+    with torch.random.fork_rng(devices=[]):
+        with eager.hooks():
+            eager_call()
+        boundary = sys._getframe()
+        with _SourceRecorder(boundary, module_names):
+            compiled_fn(*call_args, **call_kwargs)  # compiles (traces) and runs once
+        with runtime.hooks():
+            compiled_fn(*call_args, **call_kwargs)
+    inner = getattr(compiled_fn, "_compiled", compiled_fn)
+    if not inner.cache:
+        raise RuntimeError("aotgrad.saved_residuals: the program was not compiled")
+    run = next(iter(inner.cache.values()))
+    return _build_report(run, leaf_names, _partitioner_name(partition_fn), runtime, eager)
+
+
+def saved_residuals(fn: Callable, *args: Any, partition_fn: Callable | None = None, decompositions: dict | None = None,
+                    **kwargs: Any) -> ResidualReport:
+    """Compile `fn(*args, **kwargs)` with aotgrad and report what its forward saves for the backward.
+
+    The program runs on copies of the arguments (three times: eager, compile, measure); the caller's
+    tensors and random state are left untouched. `partition_fn` defaults to aot_function's default.
+    """
+    from .api import aot_function
+    from .compilers import nop
+
+    extra = {} if partition_fn is None else {"partition_fn": partition_fn}
+    cf = aot_function(fn, nop, decompositions=decompositions, **extra)
+    eager_args, eager_kwargs = _clone_tree((args, kwargs))
+    call_args, call_kwargs = _clone_tree((args, kwargs))
+    names = _leaf_names_for_function(fn, args, kwargs)
+    return _report(cf, call_args, call_kwargs, lambda: fn(*eager_args, **eager_kwargs), names, partition_fn)
+
+
+def saved_residuals_module(mod: nn.Module, *args: Any, partition_fn: Callable | None = None,
+                           decompositions: dict | None = None, **kwargs: Any) -> ResidualReport:
+    """`saved_residuals` for a module: parameters and buffers are graph inputs, named as in the module.
+
+    Runs on deep copies of the module (buffers such as BatchNorm statistics are not updated)."""
+    from .api import _named_state, aot_module
+    from .compilers import nop
+
+    eager_mod = copy.deepcopy(mod)
+    test_mod = copy.deepcopy(mod)
+    extra = {} if partition_fn is None else {"partition_fn": partition_fn}
+    compiled = aot_module(test_mod, nop, decompositions=decompositions, **extra)
+    eager_args, eager_kwargs = _clone_tree((args, kwargs))
+    call_args, call_kwargs = _clone_tree((args, kwargs))
+    state_names, _ = _named_state(test_mod)
+    names = list(state_names) + _leaf_names_for_function(mod.forward, args, kwargs)
+    module_names = {id(m): n for n, m in test_mod.named_modules() if n}
+    return _report(compiled, call_args, call_kwargs, lambda: eager_mod(*eager_args, **eager_kwargs), names,
+                   partition_fn, module_names)
