@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None)
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--skip-partition", action="store_true")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -150,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         all_ok &= ok
         summaries.append(line)
         raw["overhead"] = [{"case": r.case, "us": r.us, "errors": r.errors} for r in ores]
+    if not args.skip_partition:
+        import partition_bench  # benchmarks/ is on sys.path when run as a script
+
+        ok, lines, pres = partition_bench.run(log=log)
+        all_ok &= ok
+        summaries += lines
+        raw["partition"] = partition_bench.to_json(pres)
 
     print()
     print("== Summary ==")
