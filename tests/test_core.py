@@ -782,3 +782,98 @@ def test_view_as_real_outputs(rg):
         return (a,), (a,)
 
     check_against_eager(lambda x: (torch.view_as_real(x * 2), torch.view_as_real(x)), make, mutate_outputs=False)
+
+
+# --- regressions found by the fuzzer -----------------------------------------------------------------
+
+
+def test_write_through_expanded_view_is_refused():
+    def f(a):
+        a.expand(2, 2).zero_()
+        return a
+
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="overlap"):
+        aot_function(f, nop)(torch.randn(2))
+
+
+def test_metadata_mutation_of_input_sharing_storage():
+    def f(a, b):
+        b.unsqueeze_(0)
+        return b
+
+    def make():
+        c = torch.arange(9.0).reshape(3, 3)
+        return (c,), (c, c.reshape(3, 1, 3))
+
+    check_against_eager(f, make)
+
+    def g(a, b):
+        a.transpose_(2, 0)
+        return a.reshape(2, -1)
+
+    def make2():
+        c = torch.tensor([[2.0, 0], [3, 0]])
+        return (c,), (c.unsqueeze(1), c)
+
+    check_against_eager(g, make2)
+
+
+def test_grad_mode_view_of_no_grad_view():
+    def f(a):
+        with torch.no_grad():
+            v = a[:1]
+        return v.reshape(1, -1)
+
+    check_against_eager(f, plain_inputs(torch.randn(2, 3, requires_grad=True)))
+
+
+def test_metadata_mutation_under_no_grad_keeps_grad_fn():
+    def f(a):
+        with torch.no_grad():
+            a.t_()
+        return ()
+
+    def make():
+        r = torch.arange(4.0).reshape(2, 2).requires_grad_()
+        return (r,), (r.clone(),)
+
+    check_against_eager(f, make)
+    r = torch.arange(4.0).reshape(2, 2).requires_grad_()
+    a = r.clone()
+    aot_function(f, nop)(a)
+    (a * torch.tensor([[1.0, 2], [3, 4]])).sum().backward()
+    torch.testing.assert_close(r.grad, torch.tensor([[1.0, 2], [3, 4]]))
+
+
+def test_detach_in_place_on_input():
+    def f(a):
+        a.detach_()
+        return a
+
+    check_against_eager(f, plain_inputs(torch.randn(3, requires_grad=True)))
+
+
+def test_view_of_detached_output():
+    def f(a):
+        v = a.detach()
+        return v, v[1:]
+
+    check_against_eager(f, plain_inputs(torch.randn(3, requires_grad=True)))
+
+
+def test_same_view_returned_twice_is_one_object():
+    def f(a):
+        v = a.cos().squeeze(1)
+        return v, v
+
+    out = check_against_eager(f, plain_inputs(torch.randn(2, 1)))(torch.randn(2, 1))
+    assert out[0] is out[1]
+
+
+def test_mutation_through_view_of_input_saved_for_backward():
+    def f(a):
+        v = a.t()
+        v.clamp_(0, 1)
+        return v
+
+    check_against_eager(f, leaf_inputs((3, 3)))

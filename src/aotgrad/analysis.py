@@ -20,6 +20,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, disable_functi
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import UnsupportedAliasingError
 from .plan import InputMutation, ViewChain, ViewStep
 
 
@@ -36,6 +37,7 @@ def input_mutation(base: FunctionalTensor, grad_fn_before: Any = None, count_bef
     return InputMutation(
         data=data,
         visible_to_autograd=data and base.grad_fn is not grad_fn_before,
+        seen_by_autograd=base.grad_fn is not grad_fn_before and base.grad_fn is not None,  # not detach_()
         metadata=torch._functionalize_has_metadata_mutation(elem),
         storage=torch._functionalize_was_storage_changed(elem),
     )
@@ -151,13 +153,17 @@ def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[Vi
     return tuple(steps), result
 
 
-def _grad_fn_names(t: torch.Tensor, stop) -> list[str]:
+def _autograd_path(t: torch.Tensor, base: torch.Tensor) -> tuple[list[str], bool]:
+    """Names of the autograd nodes from `t` back towards `base`, and whether the walk reached it
+    (else it stopped at a leaf: a view made under no_grad, which autograd treats as a new leaf)."""
     names, fn = [], t.grad_fn
-    while fn is not None and fn is not stop and len(names) < 64:
+    while fn is not None and len(names) < 64:
+        if fn is base.grad_fn or getattr(fn, "variable", None) is base:
+            return names, True
         names.append(type(fn).__name__)
         nxt = [f for f, _ in fn.next_functions if f is not None]
         fn = nxt[0] if len(nxt) == 1 else None
-    return names
+    return names, False
 
 
 def view_chain(
@@ -165,29 +171,49 @@ def view_chain(
 ) -> ViewChain | None:
     """How to rebuild `out` (an alias of `base`) from the run-time base, or None if it must instead
     be returned by the graph (its autograd history is more than views, e.g. a custom Function)."""
-    # A view made under no_grad of a tensor that requires grad has no grad_fn (it is a leaf).
-    no_grad = base.requires_grad and out.grad_fn is None
     if out._base is not base:
         # Shares storage without an autograd view relation: .detach(), alias under no_grad...
         if out.requires_grad or out.dtype != base.dtype:
             return None
         return ViewChain(as_strided=meta_of(out), detach=True)
+    grad_steps = None  # how many trailing view ops autograd recorded (None: all of them)
+    if base.requires_grad:
+        names, reached = _autograd_path(out, base)
+        if out.grad_fn is None:
+            grad_steps = 0
+        elif not reached:  # ... then views made in grad mode on a view made under no_grad
+            if names[-1] != "AccumulateGrad" or not all(_is_view_backward(n) for n in names[:-1]):
+                return None
+            grad_steps = len(names) - 1
+        elif not all(_is_view_backward(n) for n in names):
+            return None  # e.g. a custom autograd.Function returning its input: keep its backward
     if base_metadata_mutated:
-        return _as_strided_chain(out, base, no_grad)
-    probe = _probe_like(base, requires_grad=base.requires_grad and not no_grad)
+        return _as_strided_chain(out, base, grad_steps)
+    probe = _probe_like(base, requires_grad=base.requires_grad)
     recorded = _record_chain(out, probe)
-    if recorded is None:
-        return _as_strided_chain(out, base, no_grad)
-    steps, result = recorded
     # Only sizes are compared: after a data mutation functionalization may give views of a
     # non-contiguous tensor other strides than eager; replaying the view ops on the real base is right.
-    if result.shape != out.shape:
-        return _as_strided_chain(out, base, no_grad)
-    if out.requires_grad and not no_grad:
-        expected = _grad_fn_names(out, base.grad_fn)
-        if expected != _grad_fn_names(result, None)[: len(expected)] or len(expected) != len(steps):
-            return _as_strided_chain(out, base, no_grad) if _pure_view_history(out, base) else None
-    return ViewChain(steps=steps, no_grad=no_grad)
+    if recorded is None or recorded[1].shape != out.shape:
+        return _as_strided_chain(out, base, grad_steps)
+    steps = recorded[0]
+    if grad_steps is None:
+        return ViewChain(steps=steps)
+    if grad_steps > len(steps):
+        return _as_strided_chain(out, base, grad_steps)
+    return ViewChain(steps=steps, no_grad_steps=len(steps) - grad_steps)
+
+
+def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, grad_steps: int | None) -> ViewChain | None:
+    if out.dtype != base.dtype:  # as_strided cannot reinterpret (view_as_real, view(dtype))
+        return None
+    if grad_steps is None:
+        return ViewChain(as_strided=meta_of(out))
+    if grad_steps == 0:
+        return ViewChain(as_strided=meta_of(out), no_grad_steps=1)
+    raise UnsupportedAliasingError(
+        "aotgrad: an output is a view taken in grad mode of a view taken under no_grad, and aotgrad "
+        "cannot replay the chain op by op. Return a .clone() of it."
+    )
 
 
 _VIEW_BACKWARDS = (
@@ -202,15 +228,3 @@ def _is_view_backward(name: str) -> bool:
     return stem.endswith("Backward") and stem[: -len("Backward")] in _VIEW_BACKWARDS
 
 
-def _pure_view_history(out: torch.Tensor, base: torch.Tensor) -> bool:
-    """True when every autograd node between `out` and `base` is a view's backward."""
-    names = _grad_fn_names(out, base.grad_fn)
-    return bool(names) and all(_is_view_backward(n) for n in names)
-
-
-def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, no_grad: bool) -> ViewChain | None:
-    if out.dtype != base.dtype:  # as_strided cannot reinterpret (view_as_real, view(dtype))
-        return None
-    if out.requires_grad and not no_grad and not _pure_view_history(out, base):
-        return None
-    return ViewChain(as_strided=meta_of(out), no_grad=no_grad)

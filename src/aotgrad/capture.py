@@ -47,10 +47,12 @@ from .errors import (
 )
 from .plan import (
     AliasOfGraphOutput,
+    AliasOfOutput,
     AliasOfPrimal,
     Captured,
     Constant,
     CopyInto,
+    Detach,
     FwOutput,
     GraphOutput,
     InputItself,
@@ -60,6 +62,8 @@ from .plan import (
     MutatedInputValue,
     Plan,
     Restride,
+    RestrideLeaf,
+    SameAs,
     SetRequiresGrad,
     SetToOutput,
     SetToPrimal,
@@ -91,6 +95,7 @@ class _Forward:
     epilogue: list = field(default_factory=list)
     prologue: list = field(default_factory=list)
     relayout: set = field(default_factory=set)  # primals whose functional value changed layout
+    restrided: set = field(default_factory=set)  # synthetic bases with a member's metadata mutated
 
 
 def make_fake_mode(leaves: Sequence[Any]) -> FakeTensorMode:
@@ -136,10 +141,17 @@ def capture(
                 traced, decomposition_table=decompositions or {}, _disable_torch_fn_metadata_mode=True
             )(list(fake_primals))
     except RuntimeError as e:
+        if isinstance(e, AotgradError):
+            raise
         if "frozen storage" in str(e):
             raise UnsupportedMutationError(
                 "aotgrad: the program mutates a view of an input after set_() replaced that input's "
                 "storage; functionalization cannot follow the old view. Take the view after set_()."
+            ) from e
+        if any(sign in str(e) for sign in _FUNCTIONALIZATION_LIMITS):
+            raise UnsupportedMutationError(
+                "aotgrad: functionalization cannot express this in-place program "
+                f"({str(e).splitlines()[0]}). Apply the in-place op to a .clone() instead."
             ) from e
         raise
     finally:
@@ -148,8 +160,45 @@ def capture(
     return Captured(gm, state["plan"], num_tangents=state["num_tangents"])
 
 
+class _Functionalize(FunctionalTensorMode):
+    """Functionalization that refuses in-place writes through self-overlapping views (`expand`,
+    `as_strided` with repeated elements): eager's result depends on write order, functionalization's
+    would silently differ."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for a, spec in zip(args, schema.arguments):
+                if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor):
+                    if _overlaps_itself(a.shape, a.stride()):
+                        raise UnsupportedMutationError(
+                            f"aotgrad: {func} writes through a view whose elements overlap in memory "
+                            f"(size {tuple(a.shape)}, stride {tuple(a.stride())}, e.g. from expand()); "
+                            "the result would depend on write order. Write into a .clone() instead."
+                        )
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _overlaps_itself(size, stride) -> bool:
+    extent = 0
+    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz > 1):
+        if st <= extent:
+            return True
+        extent += st * (sz - 1)
+    return False
+
+
+# Messages of functionalization/autograd limits hit while tracing programs eager runs fine.
+_FUNCTIONALIZATION_LIMITS = (
+    "mutation on a view chain",
+    "Can't detach views in-place",
+    "INTERNAL ASSERT FAILED",
+    "more than one element of the written-to tensor",
+)
+
+
 def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, storage_groups):
-    mode = FunctionalTensorMode()
+    mode = _Functionalize()
     with mode:
         initial_token = _seed_effect_token(mode)
         funs = [FunctionalTensor.to_functional(p) for p in primals]
@@ -159,6 +208,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
     user_leaves = _user_leaves(layout, bases, shifts, mode)
+    leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
     with mode:
         out = fn(*args, **kwargs)
@@ -167,6 +217,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     fw = _Forward(out_spec=out_spec)
     _check_storage_groups(storage_groups, user_leaves, {id(b): n for b, (_, n) in zip(bases, before)})
     _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph)
+    _analyse_leaf_views(fw, layout, user_leaves, leaf_grad_fns, shifts)
     try:
         with mode:  # reading autograd facts off views of mutated tensors replays view functions
             _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
@@ -293,7 +344,7 @@ def _leaf_mutated(t, counts_before: dict[int, int]) -> bool:
 
 def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph) -> None:
     grad_on = torch.is_grad_enabled()
-    copies, sets = [], []
+    copies, sets, detaches = [], [], []
     for k, (p, f, b) in enumerate(zip(primals, funs, bases)):
         m = analysis.input_mutation(b, *before[k])
         name = _primal_name(layout, k)
@@ -312,7 +363,7 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
                     f"aotgrad: the program calls requires_grad_() on {name}, which is not a leaf."
                 )
         if training and p.requires_grad and p.is_leaf and grad_on:
-            if m.visible_to_autograd or m.metadata:
+            if m.seen_by_autograd:
                 raise InplaceOnLeafError(
                     f"aotgrad: the program mutates {name} in place, but it is a leaf that requires grad "
                     "(eager raises 'a leaf Variable that requires grad is being used in an in-place "
@@ -330,7 +381,8 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
         if m.metadata and not m.storage:
             if k in fw.relayout:
                 raise _no_storage_coordinates(name)
-            fw.epilogue.append(Restride(k, *_shifted(name, shifts[k], *analysis.meta_of(b))))
+            meta = _shifted(name, shifts[k], *analysis.meta_of(b))
+            fw.epilogue.append(Restride(k, *meta, no_grad=not m.seen_by_autograd))
         if m.storage:
             other = _storage_owner(b, bases, k)
             if other is not None:
@@ -345,9 +397,30 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
                 differentiable = training and m.visible_to_autograd and analysis.is_differentiable(b)
                 idx = _add_fw_value(fw, b, MutatedInputValue(k), differentiable)
                 copies.append(CopyInto(k, idx, grad=differentiable or (m.visible_to_autograd and grad_on)))
+        if p.requires_grad and not b.requires_grad:
+            detaches.append(Detach(k))  # the program called detach_() on it
         fw.mutations.append(m)
     fw.epilogue.extend(copies)
     fw.epilogue.extend(sets)
+    fw.epilogue.extend(detaches)
+
+
+def _analyse_leaf_views(fw, layout, user_leaves, grad_fns_before, shifts) -> None:
+    """Arguments the graph saw as views of a synthetic base: their data mutations reach the caller
+    through the base; a metadata mutation is replayed on the caller's argument itself."""
+    for i, view in layout.leaf_views.items():
+        u = user_leaves[i]
+        if torch._functionalize_was_storage_changed(u.elem):
+            raise UnsupportedMutationError(
+                f"aotgrad: input {i} shares memory with another input and is set_(); not supported. "
+                "Pass separate tensors."
+            )
+        if torch._functionalize_has_metadata_mutation(u.elem):
+            if view.primal in fw.relayout:
+                raise _no_storage_coordinates(f"input {i}")
+            meta = _shifted(f"input {i}", shifts[view.primal], *analysis.meta_of(u))
+            fw.epilogue.append(RestrideLeaf(i, *meta, no_grad=u.grad_fn is grad_fns_before[i]))
+            fw.restrided.add(view.primal)  # views of it are rebuilt with as_strided
 
 
 def _primal_name(layout: InputLayout, k: int) -> str:
@@ -374,72 +447,94 @@ def _add_fw_value(fw: _Forward, t, kind, differentiable: bool) -> int:
 
 
 def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training) -> None:
-    leaf_of = {}
+    """Decide, per user output, where it comes from (plan.OutputSource); add graph outputs for the
+    ones the graph must return: plain outputs first, then intermediate bases (upstream's order)."""
+    leaf_of: dict[int, int] = {}
     for i, x in enumerate(user_leaves):
         if isinstance(x, torch.Tensor):
             leaf_of.setdefault(id(x), i)
     base_storage = {analysis.storage_id(b): k for k, b in enumerate(bases)}
-    metadata_mutated = {k for k, m in enumerate(fw.mutations) if m.metadata or m.storage}
-    pending = []  # (position, intermediate base) resolved after plain outputs get indices
-    plain_index: dict[int, int] = {}
+    position_of: dict[int, int] = {}
+    pending = []  # views of intermediates: resolved once plain outputs have graph indices
     sources: list = [None] * len(flat_out)
     for pos, o in enumerate(flat_out):
-        if not isinstance(o, torch.Tensor):
-            if isinstance(o, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                raise UnsupportedOutputError(f"aotgrad: output {pos} is a symbolic number; return a tensor.")
-            sources[pos] = Constant(o)
+        if isinstance(o, torch.Tensor) and id(o) in position_of:
+            sources[pos] = SameAs(position_of[id(o)])  # returned twice: the same object twice
             continue
-        if not isinstance(o, FunctionalTensor):
-            sources[pos] = ("plain", o)
-            continue
-        if id(o) in leaf_of:
-            sources[pos] = InputItself(leaf_of[id(o)])
-            continue
-        if training and o.requires_grad and o.is_leaf and o._base is None:
-            raise UnsupportedOutputError(
-                f"aotgrad: output {pos} is a leaf tensor created inside the program with requires_grad=True; "
-                "aotgrad can only return tensors computed from the inputs. Pass it in as an input."
-            )
-        sid = analysis.storage_id(o)
-        if sid in base_storage:
-            k = base_storage[sid]
-            chain = analysis.view_chain(o, bases[k], k in metadata_mutated)
-            if chain is not None and chain.as_strided is not None:
-                if k in fw.relayout:
-                    raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")
-                chain = replace(chain, as_strided=_shifted(f"output {pos}", shifts[k], *chain.as_strided))
-            sources[pos] = AliasOfPrimal(k, chain) if chain is not None else ("plain", o)
-            continue
-        if o._base is not None:
-            pending.append((pos, o))
-            sources[pos] = None
-            continue
-        sources[pos] = ("plain", o)
-    # Plain outputs first (upstream order: mutated inputs, outputs, intermediate bases).
-    for pos, s in enumerate(sources):
-        if isinstance(s, tuple):
-            o = s[1]
-            if id(o) not in plain_index:  # the same tensor returned twice stays one object
-                diff = training and analysis.is_differentiable(o)
-                plain_index[id(o)] = _add_fw_value(fw, o, UserOutput(pos), diff)
+        if isinstance(o, torch.Tensor):
+            position_of[id(o)] = pos
+        q = position_of.get(id(getattr(o, "_base", None)))
+        if q is not None and not _is_graph_value(sources[q]):
+            # A view of an output we rebuild ourselves (e.g. of a .detach()): rebuild it from that one.
+            chain = analysis.view_chain(o, o._base, torch._functionalize_has_metadata_mutation(o._base.elem))
+            if chain is not None:
+                sources[pos] = AliasOfOutput(q, chain)
+                continue
+        source = _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, training)
+        if source is None:
+            pending.append(pos)
+        sources[pos] = source
+    plain_index: dict[int, int] = {}
+    for pos, src in enumerate(sources):
+        if isinstance(src, tuple):
+            o = src[1]
+            plain_index[id(o)] = _add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o))
             sources[pos] = GraphOutput(plain_index[id(o)])
-    hidden: dict[int, int] = {}
-    for pos, o in pending:
-        base = o._base
-        if id(base) in plain_index:
-            idx = plain_index[id(base)]
-        elif id(base) in hidden:
-            idx = hidden[id(base)]
-        else:
-            idx = _add_fw_value(fw, base, IntermediateBase(), training and analysis.is_differentiable(base))
-            hidden[id(base)] = idx
-        chain = analysis.view_chain(o, base, torch._functionalize_has_metadata_mutation(base.elem))
-        if chain is None:
-            diff = training and analysis.is_differentiable(o)
-            sources[pos] = GraphOutput(_add_fw_value(fw, o, UserOutput(pos), diff))
-        else:
-            sources[pos] = AliasOfGraphOutput(idx, chain)
+    for pos in pending:
+        sources[pos] = _view_of_intermediate(fw, pos, flat_out[pos], plain_index, training)
     fw.out_sources = sources
+
+
+def _is_graph_value(source) -> bool:
+    return isinstance(source, (tuple, GraphOutput, InputItself)) or source is None
+
+
+def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, training):
+    """The source of one output, ("plain", o) for a graph output, or None for a view of an
+    intermediate (decided later)."""
+    if not isinstance(o, torch.Tensor):
+        if isinstance(o, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise UnsupportedOutputError(f"aotgrad: output {pos} is a symbolic number; return a tensor.")
+        return Constant(o)
+    if not isinstance(o, FunctionalTensor):
+        return ("plain", o)
+    if id(o) in leaf_of:
+        return InputItself(leaf_of[id(o)])
+    if training and o.requires_grad and o.is_leaf and o._base is None:
+        raise UnsupportedOutputError(
+            f"aotgrad: output {pos} is a leaf tensor created inside the program with requires_grad=True; "
+            "aotgrad can only return tensors computed from the inputs. Pass it in as an input."
+        )
+    k = base_storage.get(analysis.storage_id(o))
+    if k is None:
+        return None if o._base is not None else ("plain", o)
+    m = fw.mutations[k]
+    chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
+    if chain is None:
+        if m.any:
+            raise UnsupportedAliasingError(
+                f"aotgrad: output {pos} aliases {_primal_name(layout, k)}, which the program also mutates, "
+                "and it cannot be rebuilt as a view of it. Return a .clone()."
+            )
+        return ("plain", o)
+    if chain.as_strided is not None:
+        if k in fw.relayout:
+            raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")
+        chain = replace(chain, as_strided=_shifted(f"output {pos}", shifts[k], *chain.as_strided))
+    return AliasOfPrimal(k, chain)
+
+
+def _view_of_intermediate(fw, pos, o, plain_index, training):
+    """A view of a tensor the graph computes: return the base from the graph, rebuild the view."""
+    base = o._base
+    chain = analysis.view_chain(o, base, torch._functionalize_has_metadata_mutation(base.elem))
+    if chain is None:
+        return GraphOutput(_add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o)))
+    idx = plain_index.get(id(base))
+    if idx is None:
+        idx = _add_fw_value(fw, base, IntermediateBase(), training and analysis.is_differentiable(base))
+        plain_index[id(base)] = idx
+    return AliasOfGraphOutput(idx, chain)
 
 
 def _trace_backward(fw: _Forward, primals, funs, bases, mode):

@@ -147,9 +147,23 @@ def _used_by(node: Node, consumers: set[Node]) -> bool:
     return any(u in consumers for u in node.users)
 
 
+def _view_root(node):
+    """The node a chain of aten view ops starts from (the node itself if it is no view)."""
+    while isinstance(node, Node) and node.op == "call_function":
+        target = node.target
+        if target is operator.getitem:
+            node = node.args[0]
+            continue
+        schema = getattr(target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or schema.is_mutable:
+            return node
+        node = node.args[0]
+    return node
+
+
 def clone_saved_inputs(fw_module: GraphModule, num_fwd_outputs: int, primal_indices: set[int]) -> None:
     """The epilogue mutates some graph inputs after the forward; a backward that reads one of them
-    must see the value from before the mutation, so save a clone instead."""
+    (or a view of one) must see the value from before the mutation, so save a clone instead."""
     if not primal_indices:
         return
     graph = fw_module.graph
@@ -158,7 +172,7 @@ def clone_saved_inputs(fw_module: GraphModule, num_fwd_outputs: int, primal_indi
     out_node = graph.output_node()
     outs = list(out_node.args[0])
     for i in range(num_fwd_outputs, len(outs)):
-        if outs[i] in targets:
+        if _view_root(outs[i]) in targets:
             with graph.inserting_before(out_node):
                 clone = graph.call_function(torch.ops.aten.clone.default, (outs[i],))
                 clone.meta = dict(outs[i].meta)

@@ -91,6 +91,7 @@ class InputMutation:
 
     data: bool = False
     visible_to_autograd: bool = False
+    seen_by_autograd: bool = False  # some in-place op on it (data or metadata) changed its grad_fn
     metadata: bool = False
     storage: bool = False
     in_backward: bool = False
@@ -108,12 +109,32 @@ class InputMutation:
 
 @dataclass(frozen=True)
 class Restride:
-    """`primal.as_strided_(size, stride, offset)`: replay a metadata mutation."""
+    """`primal.as_strided_(size, stride, offset)`: replay a metadata mutation (under `no_grad` when
+    the program did it there, so autograd's view of the input is unchanged as in eager)."""
 
     primal: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    no_grad: bool = False
+
+
+@dataclass(frozen=True)
+class RestrideLeaf:
+    """Like `Restride`, for a caller argument that the graph saw as a view of a synthetic base."""
+
+    leaf: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    no_grad: bool = False
+
+
+@dataclass(frozen=True)
+class Detach:
+    """`primal.detach_()`: the program detached the input in place."""
+
+    primal: int
 
 
 @dataclass(frozen=True)
@@ -148,7 +169,7 @@ class SetRequiresGrad:
     primal: int
 
 
-EpilogueAction = Restride | CopyInto | SetToOutput | SetToPrimal
+EpilogueAction = Restride | RestrideLeaf | CopyInto | SetToOutput | SetToPrimal | Detach
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,13 +192,14 @@ class ViewChain:
     """How to rebuild an aliasing output from its base, in the caller's autograd world.
 
     `steps` replay view ops (so `._base`, `grad_fn` and later in-place ops behave as in eager); when
-    no faithful chain exists `as_strided` holds (size, stride, offset) instead. `no_grad` replays
-    under `torch.no_grad()` (the view was made there); `detach` detaches the result.
+    no faithful chain exists `as_strided` holds (size, stride, offset) instead (one step). The first
+    `no_grad_steps` steps replay under `torch.no_grad()` (the program made those views there);
+    `detach` detaches the result.
     """
 
     steps: tuple[ViewStep, ...] = ()
     as_strided: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
-    no_grad: bool = False
+    no_grad_steps: int = 0
     detach: bool = False
 
 
@@ -218,7 +240,22 @@ class AliasOfGraphOutput:
     chain: ViewChain
 
 
-OutputSource = GraphOutput | Constant | InputItself | AliasOfPrimal | AliasOfGraphOutput
+@dataclass(frozen=True)
+class SameAs:
+    """The program returned the same tensor object at an earlier output `position`."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class AliasOfOutput:
+    """A view of the (already rebuilt) user output at `position`, e.g. `v, v[1:]`."""
+
+    position: int
+    chain: ViewChain
+
+
+OutputSource = GraphOutput | Constant | InputItself | AliasOfPrimal | AliasOfGraphOutput | SameAs | AliasOfOutput
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,11 +36,14 @@ from .plan import (
     BaseOfLeaf,
     Constant,
     CopyInto,
+    Detach,
     FromLeaf,
     GraphOutput,
     InputItself,
     Plan,
     Restride,
+    RestrideLeaf,
+    SameAs,
     SetToOutput,
     SetToPrimal,
     ViewChain,
@@ -161,60 +164,84 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
             if isinstance(s, GraphOutput):  # as in make_autograd_function: no view of a hidden tensor
                 src.emit(f"r{s.index} = {nv}(r{s.index}, {prim})")
     _emit_epilogue(src, plan)
-    names = [_emit_output(src, i, s) for i, s in enumerate(plan.out_sources)]
+    names: list[str] = []
+    for i, s in enumerate(plan.out_sources):
+        names.append(_emit_output(src, i, s, names))
     src.emit(f"return {_structure(src, plan.out_spec, names)}")
     return src.build("run", "def run(leaves):")
 
 
 def _emit_epilogue(src: _Source, plan: Plan) -> None:
     for a in plan.epilogue:
-        if isinstance(a, Restride):
-            src.emit(f"p{a.primal}.as_strided_({a.size}, {a.stride}, {a.offset})")
-        elif isinstance(a, CopyInto) and a.grad:
-            src.emit(f"p{a.primal}.copy_(r{a.value})")
+        if isinstance(a, (Restride, RestrideLeaf)):
+            target = f"p{a.primal}" if isinstance(a, Restride) else f"l{a.leaf}"
+            _emit(src, f"{target}.as_strided_({a.size}, {a.stride}, {a.offset})", a.no_grad)
         elif isinstance(a, CopyInto):
-            src.emit("with _no_grad():")
-            src.emit(f"p{a.primal}.copy_(r{a.value})", 2)
+            _emit(src, f"p{a.primal}.copy_(r{a.value})", not a.grad)
         elif isinstance(a, SetToOutput):
-            src.emit("with _no_grad():")
-            src.emit(f"p{a.primal}.set_(r{a.value})", 2)
+            _emit(src, f"p{a.primal}.set_(r{a.value})", True)
         elif isinstance(a, SetToPrimal):
-            src.emit("with _no_grad():")
-            src.emit(f"p{a.primal}.set_(p{a.other})", 2)
+            _emit(src, f"p{a.primal}.set_(p{a.other})", True)
+        elif isinstance(a, Detach):
+            src.emit(f"p{a.primal}.detach_()")
 
 
-def _emit_output(src: _Source, i: int, s) -> str:
+def _emit(src: _Source, line: str, no_grad: bool) -> None:
+    if no_grad:
+        src.emit("with _no_grad():")
+        src.emit(line, 2)
+    else:
+        src.emit(line)
+
+
+def _emit_output(src: _Source, i: int, s, names: list[str]) -> str:
+    """Emit what output `i` needs and return the expression naming it."""
     if isinstance(s, GraphOutput):
         return f"r{s.index}"
     if isinstance(s, Constant):
         return src.bind("const", s.value) if not isinstance(s.value, (int, float, bool, type(None))) else repr(s.value)
     if isinstance(s, InputItself):
         return f"l{s.leaf}"
-    base = f"p{s.primal}" if isinstance(s, AliasOfPrimal) else f"r{s.index}"
-    assert isinstance(s, (AliasOfPrimal, AliasOfGraphOutput))
+    if isinstance(s, SameAs):
+        return names[s.position]
+    if isinstance(s, AliasOfPrimal):
+        base = f"p{s.primal}"
+    elif isinstance(s, AliasOfGraphOutput):
+        base = f"r{s.index}"
+    else:
+        base = names[s.position]
     _emit_chain(src, f"o{i}", base, s.chain)
     return f"o{i}"
 
 
 def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
-    expr = base
+    exprs = []
     if chain.as_strided is not None:
         size, stride, offset = chain.as_strided
-        expr = f"{expr}.as_strided({size}, {stride}, {offset})"
+        exprs.append(lambda x: f"{x}.as_strided({size}, {stride}, {offset})")
     for step in chain.steps:
-        op = src.bind("op", step.op)
-        args = "".join(f", {src.bind('a', a)}" for a in step.args)
-        kwargs = "".join(f", {k}={src.bind('a', v)}" for k, v in step.kwargs)
-        expr = f"{op}({expr}{args}{kwargs})"
-        if step.item is not None:
-            expr = f"{expr}[{step.item}]"
+        exprs.append(_step_expr(src, step))
     if chain.detach:
-        expr = f"{expr}.detach()"
-    if chain.no_grad:
+        exprs.append(lambda x: f"{x}.detach()")
+    value = base
+    if chain.no_grad_steps:
+        for make in exprs[: chain.no_grad_steps]:
+            value = make(value)
         src.emit("with _no_grad():")
-        src.emit(f"{target} = {expr}", 2)
-    else:
-        src.emit(f"{target} = {expr}")
+        src.emit(f"{target} = {value}", 2)
+        value = target
+    for make in exprs[chain.no_grad_steps :]:
+        value = make(value)
+    if value != target:
+        src.emit(f"{target} = {value}")
+
+
+def _step_expr(src: _Source, step) -> Callable[[str], str]:
+    op = src.bind("op", step.op)
+    args = "".join(f", {src.bind('a', a)}" for a in step.args)
+    kwargs = "".join(f", {k}={src.bind('a', v)}" for k, v in step.kwargs)
+    item = f"[{step.item}]" if step.item is not None else ""
+    return lambda x: f"{op}({x}{args}{kwargs}){item}"
 
 
 def _structure(src: _Source, spec: pytree.TreeSpec, names: list[str]) -> str:
