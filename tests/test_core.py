@@ -877,3 +877,21 @@ def test_mutation_through_view_of_input_saved_for_backward():
         return v
 
     check_against_eager(f, leaf_inputs((3, 3)))
+
+
+def test_metadata_mutation_of_view_of_input_bumps_version():
+    def f(a, b):
+        v = a.view(-1)
+        v.t_()
+        return (b,)
+
+    check_against_eager(f, plain_inputs(torch.randn(1, 4), torch.randn(4, 4)))
+
+
+def test_view_of_input_then_in_place_view_op_on_it():
+    def f(a):
+        v = a.unsqueeze(2)
+        v.transpose_(1, 0)
+        return (v,)
+
+    check_against_eager(f, plain_inputs(torch.randn(4, 4)))

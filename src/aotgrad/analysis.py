@@ -187,7 +187,8 @@ def view_chain(
             grad_steps = len(names) - 1
         elif not all(_is_view_backward(n) for n in names):
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
-    if base_metadata_mutated:
+    if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem):
+        # the recorded view function predates an in-place view op on the base or on `out` itself
         return _as_strided_chain(out, base, grad_steps)
     probe = _probe_like(base, requires_grad=base.requires_grad)
     recorded = _record_chain(out, probe)

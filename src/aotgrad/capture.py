@@ -49,6 +49,7 @@ from .plan import (
     AliasOfGraphOutput,
     AliasOfOutput,
     AliasOfPrimal,
+    BumpVersion,
     Captured,
     Constant,
     CopyInto,
@@ -167,7 +168,7 @@ class _Functionalize(FunctionalTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         schema = getattr(func, "_schema", None)
-        if schema is not None and schema.is_mutable:
+        if schema is not None and schema.is_mutable and torch.Tag.inplace_view not in func.tags:
             for a, spec in zip(args, schema.arguments):
                 if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor):
                     if _overlaps_itself(a.shape, a.stride()):
@@ -207,6 +208,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
+    versions = [_version(b) for b in bases]
     user_leaves = _user_leaves(layout, bases, shifts, mode)
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
@@ -218,6 +220,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     _check_storage_groups(storage_groups, user_leaves, {id(b): n for b, (_, n) in zip(bases, before)})
     _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph)
     _analyse_leaf_views(fw, layout, user_leaves, leaf_grad_fns, shifts)
+    _bump_versions(fw, bases, versions)
     try:
         with mode:  # reading autograd facts off views of mutated tensors replays view functions
             _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
@@ -400,9 +403,22 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
         if p.requires_grad and not b.requires_grad:
             detaches.append(Detach(k))  # the program called detach_() on it
         fw.mutations.append(m)
+    fw.epilogue[:0] = detaches  # detach_() first: a later copy_ into it is then seen as in eager
     fw.epilogue.extend(copies)
     fw.epilogue.extend(sets)
-    fw.epilogue.extend(detaches)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version  # inference tensors have no version counter
+
+
+def _bump_versions(fw, bases, versions) -> None:
+    """In-place ops on an input or on views of it bump its version counter in eager; the epilogue's
+    copy_ does that for data mutations, the rest (metadata ops on views, no-op writes) need a bump."""
+    copied = {a.primal for a in fw.epilogue if isinstance(a, (CopyInto, SetToOutput, SetToPrimal))}
+    for k, b in enumerate(bases):
+        if _version(b) != versions[k] and k not in copied and not fw.mutations[k].kept_in_graph:
+            fw.epilogue.append(BumpVersion(k))
 
 
 def _analyse_leaf_views(fw, layout, user_leaves, grad_fns_before, shifts) -> None:
@@ -509,6 +525,11 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
     if k is None:
         return None if o._base is not None else ("plain", o)
     m = fw.mutations[k]
+    if any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue):
+        raise UnsupportedAliasingError(
+            f"aotgrad: output {pos} aliases {_primal_name(layout, k)}, which the program detach_()es; "
+            "aotgrad cannot tell views taken before the detach from views taken after. Return a .clone()."
+        )
     chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
     if chain is None:
         if m.any:

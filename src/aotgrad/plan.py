@@ -131,6 +131,14 @@ class RestrideLeaf:
 
 
 @dataclass(frozen=True)
+class BumpVersion:
+    """`increment_version(primal)`: eager bumped its version counter (an in-place op on it or a
+    view of it) and no copy_ in the epilogue does."""
+
+    primal: int
+
+
+@dataclass(frozen=True)
 class Detach:
     """`primal.detach_()`: the program detached the input in place."""
 
@@ -169,7 +177,7 @@ class SetRequiresGrad:
     primal: int
 
 
-EpilogueAction = Restride | RestrideLeaf | CopyInto | SetToOutput | SetToPrimal | Detach
+EpilogueAction = Restride | RestrideLeaf | CopyInto | SetToOutput | SetToPrimal | Detach | BumpVersion
 
 
 # ----------------------------------------------------------------------------------------------

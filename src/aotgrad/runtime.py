@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 
 from .compile import CompiledForward
@@ -34,6 +35,7 @@ from .plan import (
     AliasOfGraphOutput,
     AliasOfPrimal,
     BaseOfLeaf,
+    BumpVersion,
     Constant,
     CopyInto,
     Detach,
@@ -184,6 +186,8 @@ def _emit_epilogue(src: _Source, plan: Plan) -> None:
             _emit(src, f"p{a.primal}.set_(p{a.other})", True)
         elif isinstance(a, Detach):
             src.emit(f"p{a.primal}.detach_()")
+        elif isinstance(a, BumpVersion):
+            src.emit(f"{src.bind('bump', increment_version)}(p{a.primal})")
 
 
 def _emit(src: _Source, line: str, no_grad: bool) -> None:
