@@ -29,7 +29,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
-    get_proxy_mode,
     get_proxy_slot,
     make_fx,
     track_tensor_tree,
@@ -70,6 +69,7 @@ from .plan import (
     SetToPrimal,
     UserOutput,
 )
+from .tracer import LeanTracer
 
 INPUT_CLONE = "aotgrad_input_clone"
 BACKWARD_MUTATION = "aotgrad_backward_mutation"
@@ -137,10 +137,7 @@ def capture(
     view_replay = torch._C._is_view_replay_enabled()
     torch._C._set_view_replay_enabled(True)
     try:
-        with fake_mode:
-            gm = make_fx(
-                traced, decomposition_table=decompositions or {}, _disable_torch_fn_metadata_mode=True
-            )(list(fake_primals))
+        gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
     except RuntimeError as e:
         if isinstance(e, AotgradError):
             raise
@@ -189,6 +186,44 @@ def _overlaps_itself(size, stride) -> bool:
     return False
 
 
+def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
+    """Run `traced` recording aten calls: with the lean recorder (tracer.py) when it can, else make_fx."""
+    if _LEAN:
+        recorder = LeanTracer(list(fake_primals), decompositions)
+        try:
+            with fake_mode, recorder:
+                outputs = traced(list(fake_primals))
+            return recorder.finish(outputs)
+        except (AotgradError, NeedsSyntheticBase):
+            raise
+        except Exception:  # symbolic shapes, other higher-order ops...: make_fx knows them all
+            pass
+    with fake_mode:
+        return make_fx(traced, decomposition_table=decompositions, _disable_torch_fn_metadata_mode=True)(
+            list(fake_primals)
+        )
+
+
+_LEAN = True
+
+
+def _recorder():
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+
+
+def _node_of(t: torch.Tensor) -> torch.fx.Node:
+    mode = _recorder()
+    if isinstance(mode, LeanTracer):
+        return mode.node_of(t)
+    return get_proxy_slot(t, mode.tracer).proxy.node
+
+
+def _last_node() -> torch.fx.Node:
+    mode = _recorder()
+    graph = mode.graph if isinstance(mode, LeanTracer) else mode.tracer.graph
+    return next(reversed(graph.nodes))
+
+
 # Messages of functionalization/autograd limits hit while tracing programs eager runs fine.
 _FUNCTIONALIZATION_LIMITS = (
     "mutation on a view chain",
@@ -219,7 +254,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     fw = _Forward(out_spec=out_spec)
     _check_storage_groups(storage_groups, user_leaves, {id(b): n for b, (_, n) in zip(bases, before)})
     _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph)
-    _analyse_leaf_views(fw, layout, user_leaves, leaf_grad_fns, shifts)
+    with mode:  # members of a mutated synthetic base regenerate lazily
+        _analyse_leaf_views(fw, layout, user_leaves, leaf_grad_fns, shifts)
     _bump_versions(fw, bases, versions)
     try:
         with mode:  # reading autograd facts off views of mutated tensors replays view functions
@@ -271,11 +307,9 @@ def _sink_effect_token(mode: FunctionalTensorMode, initial) -> None:
 
 
 def _tag_input_clones(bases, funs) -> None:
-    tracer = get_proxy_mode().tracer
     for b, f in zip(bases, funs):
         if b is not f:
-            inner = torch._from_functional_tensor(b.elem)
-            get_proxy_slot(inner, tracer).proxy.node.meta[INPUT_CLONE] = True
+            _node_of(torch._from_functional_tensor(b.elem)).meta[INPUT_CLONE] = True
 
 
 def _clone_for_grad(f: FunctionalTensor, primal: torch.Tensor) -> FunctionalTensor:
@@ -592,9 +626,13 @@ def _wants_grad(primal, fun) -> bool:
 
 def _new_placeholder(name: str, like: torch.Tensor) -> torch.Tensor:
     """A new graph input created mid-trace (tangents are only known once the forward has run)."""
-    tracer = get_proxy_mode().tracer
+    mode = _recorder()
     with disable_proxy_modes_tracing():
         value = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if isinstance(mode, LeanTracer):
+        mode.placeholder(name, value)
+        return value
+    tracer = mode.tracer
     proxy = tracer.create_proxy("placeholder", name, (), {}, name=name)
     proxy.node.meta["val"] = value
     track_tensor_tree(value, proxy, constant=None, tracer=tracer)
@@ -620,8 +658,7 @@ def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -
                 f"aotgrad: graph input {k} is mutated in both the forward and the backward; not supported."
             )
         torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
-        node = list(get_proxy_mode().tracer.graph.nodes)[-1]
-        node.meta[BACKWARD_MUTATION] = True
+        _last_node().meta[BACKWARD_MUTATION] = True
         fw.mutations[k] = InputMutation(in_backward=True)
     for n, t in enumerate(tangents_fun):
         torch._sync(t)
