@@ -182,9 +182,10 @@ def view_chain(
         if out.grad_fn is None:
             grad_steps = 0
         elif not reached:  # ... then views made in grad mode on a view made under no_grad
-            if names[-1] != "AccumulateGrad" or not all(_is_view_backward(n) for n in names[:-1]):
+            views = names[:-1] if names and names[-1] == "AccumulateGrad" else names
+            if not all(_is_view_backward(n) for n in views):
                 return None
-            grad_steps = len(names) - 1
+            grad_steps = len(views)
         elif not all(_is_view_backward(n) for n in names):
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
     if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem):

@@ -16,7 +16,7 @@ import torch.fx
 
 from .compilers import boxed
 from .partition import clone_saved_inputs
-from .plan import Captured, CopyInto
+from .plan import Captured
 
 
 @dataclass
@@ -57,7 +57,12 @@ def compile_training(
     plan = captured.plan
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
     fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
-    mutated_after_forward = {a.primal for a in plan.epilogue if isinstance(a, CopyInto)}
+    # Any epilogue action on an input (copy_, as_strided_, set_, detach_) would invalidate a saved
+    # view of it; leaf-targeted actions touch the synthetic base their leaf is a view of.
+    views = plan.layout.leaf_views
+    mutated_after_forward = {
+        a.primal if hasattr(a, "primal") else views[a.leaf].primal for a in plan.epilogue
+    }
     clone_saved_inputs(fw_module, plan.num_fw_outputs, mutated_after_forward)
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
