@@ -1,0 +1,72 @@
+"""Differential fuzzing of aotgrad against eager: `python scripts/fuzz.py --n N --seed SEED`.
+
+Generates N random programs (see `aotgrad.fuzz`), checks each with `check_against_eager`, shrinks
+every crash / mismatch and writes a standalone reproducer to fuzz-repros/, then prints a summary:
+matched / refused (grouped by message) / crashed (grouped by exception) / mismatched.
+Exits 1 if anything crashed or mismatched.
+
+    python scripts/fuzz.py --n 2000 --seed 0
+    python scripts/fuzz.py --seed 0 --only 258      # re-check (and shrink) one program
+    python scripts/fuzz.py --seed 0 --show 258      # print one generated program
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+try:
+    from aotgrad import fuzz
+except ImportError:  # not installed: use the checkout's src/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    from aotgrad import fuzz
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=1000, help="number of programs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="index of the first program")
+    ap.add_argument("--out", default="fuzz-repros", help="folder for reproducers ('' to write none)")
+    ap.add_argument("--no-shrink", action="store_true", help="write failing programs as generated")
+    ap.add_argument("--shrink-per-key", type=int, default=3,
+                    help="shrink at most this many failures per distinct message (default 3)")
+    ap.add_argument("--top", type=int, default=10, help="refusal messages to list")
+    ap.add_argument("--only", type=int, help="check (and shrink) only program number ONLY; print it")
+    ap.add_argument("--show", type=int, help="print program number SHOW and exit")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+
+    if args.show is not None:
+        print(fuzz.generate(args.seed, args.show).reproducer())
+        return 0
+    if args.only is not None:
+        prog = fuzz.generate(args.seed, args.only)
+        out = fuzz.check_program(prog)
+        print(f"{out.kind}: {out.message or out.key}")
+        if out.kind in ("crashed", "mismatched"):
+            if not args.no_shrink:
+                prog = fuzz.shrink(prog, out)
+            print(prog.reproducer(out.message.splitlines()[0] if out.message else ""))
+            if out.detail:
+                print(out.detail)
+            return 1
+        print(prog.reproducer())
+        return 0
+
+    t0 = time.time()
+    summary = fuzz.run(
+        args.n, args.seed, start=args.start,
+        shrink_failures=not args.no_shrink, shrink_per_key=args.shrink_per_key,
+        out_dir=args.out or None,
+        progress=None if args.quiet else fuzz.Progress(args.n),
+    )
+    print(summary.report(top=args.top))
+    print(f"{time.time() - t0:.1f}s")
+    return 1 if summary.counts["crashed"] or summary.counts["mismatched"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
