@@ -895,3 +895,13 @@ def test_view_of_input_then_in_place_view_op_on_it():
         return (v,)
 
     check_against_eager(f, plain_inputs(torch.randn(4, 4)))
+
+
+def test_metadata_mutation_under_no_grad_of_leaf_or_view_is_refused():
+    def f(a):
+        with torch.no_grad():
+            a.unsqueeze_(-2)
+        return a.reshape(2) + 3
+
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="no_grad"):
+        aot_function(f, nop)(torch.randn(2, requires_grad=True))

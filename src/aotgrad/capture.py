@@ -164,6 +164,14 @@ class _Functionalize(FunctionalTensorMode):
     would silently differ."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.inplace_view in getattr(func, "tags", ()) and not torch.is_grad_enabled():
+            a = args[0]
+            if a.requires_grad and (a._is_view() or getattr(a, "_aotgrad_caller_leaf", False)):
+                raise UnsupportedMutationError(
+                    f"aotgrad: {func} under no_grad on a leaf or a view that requires grad: eager's "
+                    "gradients then follow the old metadata, which a functional graph cannot reproduce. "
+                    "Do it outside no_grad, or on a .clone()."
+                )
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and torch.Tag.inplace_view not in func.tags:
             for a, spec in zip(args, schema.arguments):
@@ -241,6 +249,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         funs = [FunctionalTensor.to_functional(p) for p in primals]
         bases = [_clone_for_grad(f, p) if training and f.requires_grad else f for f, p in zip(funs, primals)]
     _tag_input_clones(bases, funs)
+    for p, b in zip(primals, bases):
+        b._aotgrad_caller_leaf = p.requires_grad and p.is_leaf
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
