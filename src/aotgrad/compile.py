@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .compilers import boxed
 from .partition import clone_saved_inputs
@@ -44,6 +45,8 @@ class CompiledForward:
 
 def compile_inference(captured: Captured, compiler: Callable, example_primals: Sequence[Any]) -> CompiledForward:
     gm = captured.graph
+    if isinstance(gm, _LazyGraphModule):  # compilers get a module whose forward is the real code
+        gm = torch.fx.GraphModule(gm, gm.graph)
     return CompiledForward(boxed(compiler(gm, list(example_primals))), gm, captured.plan.num_fw_outputs)
 
 

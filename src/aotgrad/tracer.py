@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._higher_order_ops.effects import with_effects
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -138,7 +139,8 @@ class LeanTracer(TorchDispatchMode):
 
     def finish(self, outputs: list) -> torch.fx.GraphModule:
         self.graph.output([self._arg(o) if isinstance(o, torch.Tensor) else o for o in outputs])
-        return torch.fx.GraphModule(self.root, self.graph)
+        # Lazy: a joint graph is only read by the partitioner; its Python code is written on demand.
+        return _LazyGraphModule(self.root, self.graph)
 
 
 class _NodeLookup:
