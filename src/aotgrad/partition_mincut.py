@@ -106,7 +106,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .capture import BACKWARD_MUTATION
-from .partition import side_effects
+from .partition import _ancestors, _descendants, _flat_outputs, side_effects
 
 __all__ = [
     "POLICIES",
@@ -449,36 +449,6 @@ def _decision(node: Node, policy: Policy | None) -> CheckpointPolicy | None:
 # ------------------------------------------------------------------------------------------------
 # The joint graph, analysed once.
 # ------------------------------------------------------------------------------------------------
-
-
-def _flat_outputs(graph: Graph) -> list:
-    out = graph.output_node().args[0]
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-def _ancestors(roots: Iterable[Any], stop: set[Node] | frozenset = frozenset()) -> set[Node]:
-    seen: set[Node] = set()
-    stack = [r for r in roots if isinstance(r, Node)]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _descendants(roots: Iterable[Node]) -> set[Node]:
-    seen: set[Node] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.users)
-    return seen
 
 
 @dataclass
