@@ -6,7 +6,7 @@ PYTEST := $(BIN)/python -m pytest
 N ?= 2000
 SEED ?= 0
 
-.PHONY: install demo test test-long bench lint fuzz clean
+.PHONY: install demo demo-small test test-long bench lint fuzz clean
 
 install: $(VENV)/.installed
 
@@ -16,10 +16,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,demo]'
 	touch $@
 
 demo: install
+	$(BIN)/python examples/train_gpt2.py
+
+demo-small: install
 	$(BIN)/python examples/demo.py
 
 test: install

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-partition", action="store_true")
+    p.add_argument("--skip-backend", action="store_true", help="skip torch.compile+Inductor (4-5 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -158,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         all_ok &= ok
         summaries += lines
         raw["partition"] = partition_bench.to_json(pres)
+    if not args.skip_backend:
+        import backend_bench
+
+        backend_bench.main(["--compile-repeats", "2"])
 
     print()
     print("== Summary ==")

@@ -52,6 +52,14 @@ __all__ = [
     "print_graph",
 ]
 
+# torch.compile backend (backend.py) and its switches (config.py). Note: `aotgrad.backend` is the
+# backend factory function; the module is importable as `aotgrad.backend` via `from aotgrad.backend
+# import ...` (sys.modules), which is how the `torch_dynamo_backends` entry points load it.
+from . import config  # noqa: E402
+from .backend import BackendCompileError, aotgrad_backend, aotgrad_eager, backend  # noqa: E402
+
+__all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "config"]
+
 # Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
 # (residuals.py).
 from .partition_mincut import (  # noqa: E402

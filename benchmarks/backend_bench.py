@@ -1,0 +1,316 @@
+"""torch.compile backends: aotgrad + Inductor vs upstream torch.compile(backend="inductor").
+
+For the demo model (GPT-2 of examples/train_gpt2.py, when `transformers` is installed) and every model
+of models.py, in one process:
+
+1. Cold compile: `torch._dynamo.reset()`, a fresh empty Inductor cache (`fresh_cache`, in-memory and
+   on-disk caches cleared, FX-graph and AOT caches off), then the time of the first training step
+   `compiled(*inputs)` + `.backward()` (Dynamo + AOT + Inductor for the forward and the backward).
+   The first step's gradients are checked against eager.
+2. Steady state: median time of a training step (forward + backward + grads set to None) of the
+   already compiled model; samples alternate between the two backends so machine load hits both.
+
+Targets: step time aotgrad/upstream <= 1.0 and cold compile time aotgrad/upstream <= 1.0, per model.
+Prints a table with both ratios (also min-based ratios: noise on a shared machine only adds time)
+and PASS/FAIL lines.
+
+    python benchmarks/backend_bench.py [--models gpt2,mlp] [--steps 10] [--samples 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (HERE, os.path.join(ROOT, "examples")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from harness import compare, error_text, fmt_ratio, median, state_of, sum_outputs, table  # noqa: E402
+from models import MODELS  # noqa: E402
+
+BACKENDS = ("aotgrad", "inductor")
+TARGET_STEP = 1.0
+TARGET_COMPILE = 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+class GPT2Loss(nn.Module):
+    """The demo's GPT-2 with its next-byte cross-entropy loss in the compiled graph."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def make_gpt2(seed: int = 0):
+    import train_gpt2
+
+    torch.manual_seed(seed)
+    model = GPT2Loss(train_gpt2.make_gpt2())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (8, 128), generator=g)
+    y = torch.randint(0, 256, (8, 128), generator=g)
+    return model, (x, y)
+
+
+def all_models() -> dict[str, Callable]:
+    out: dict[str, Callable] = {}
+    try:
+        import transformers  # noqa: F401
+
+        out["gpt2"] = make_gpt2
+    except ImportError:
+        pass
+    out.update(MODELS)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+
+
+@dataclass
+class Side:
+    compile_s: float | None = None
+    steps: list[float] = field(default_factory=list)
+    error: str | None = None
+    mismatch: str | None = None
+    compiled: Callable | None = None
+    module: nn.Module | None = None
+    inputs: tuple = ()
+
+    def step_ms(self, stat: str = "median") -> float | None:
+        if not self.steps or self.error:
+            return None
+        return 1e3 * (median(self.steps) if stat == "median" else min(self.steps))
+
+
+@dataclass
+class ModelResult:
+    model: str
+    sides: dict[str, Side]
+
+    def ratio(self, what: str, stat: str = "median") -> float | None:
+        a, u = self.sides["aotgrad"], self.sides["inductor"]
+        if what == "step":
+            x, y = a.step_ms(stat), u.step_ms(stat)
+        else:
+            x, y = a.compile_s, u.compile_s
+        return x / y if x is not None and y else None
+
+
+def _clone_inputs(inputs: tuple) -> tuple:
+    return tuple(
+        x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs
+    )
+
+
+def _step(fn: Callable, mod: nn.Module, inputs: tuple) -> None:
+    sum_outputs(fn(*inputs)).backward()
+    for p in mod.parameters():
+        p.grad = None
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            x.grad = None
+
+
+@contextlib.contextmanager
+def _cold():
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    with fresh_cache(), inductor_config.patch(force_disable_caches=True):
+        yield
+
+
+def cold_compile(backend: str, pristine: nn.Module, inputs: tuple, ref_state: dict) -> Side:
+    side = Side()
+    mod, inp = copy.deepcopy(pristine), _clone_inputs(inputs)
+    try:
+        with _cold():
+            t0 = time.perf_counter()
+            compiled = torch.compile(mod, backend=backend)
+            out = compiled(*inp)
+            sum_outputs(out).backward()
+            side.compile_s = time.perf_counter() - t0
+        side.mismatch = compare(ref_state, state_of(mod, inp), rtol=1e-3, atol=1e-4)
+        side.compiled, side.module, side.inputs = compiled, mod, inp
+    except Exception as e:  # report, keep going
+        side.error = error_text(e)
+    return side
+
+
+def eager_reference(pristine: nn.Module, inputs: tuple) -> dict:
+    mod, inp = copy.deepcopy(pristine), _clone_inputs(inputs)
+    sum_outputs(mod(*inp)).backward()
+    return state_of(mod, inp)
+
+
+def warm_up_process() -> None:
+    """One untimed cold compile per backend: lazy imports, Inductor's C++ toolchain checks."""
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.gelu(self.fc(x)).sum()
+
+    for b in BACKENDS:
+        with _cold():
+            mod = Tiny()
+            torch.compile(mod, backend=b)(torch.randn(2, 4)).backward()
+
+
+def bench_model(name: str, factory: Callable, steps: int, samples: int, compile_repeats: int, order: int) -> ModelResult:
+    pristine, inputs = factory()
+    ref = eager_reference(pristine, inputs)
+    sides: dict[str, Side] = {}
+    for rep in range(compile_repeats):
+        # alternate which backend compiles first, across models and repeats
+        seq = BACKENDS if (order + rep) % 2 == 0 else BACKENDS[::-1]
+        for b in seq:
+            side = cold_compile(b, pristine, inputs, ref)
+            prev = sides.get(b)
+            if prev is not None and prev.compile_s is not None and side.compile_s is not None:
+                side.compile_s = min(side.compile_s, prev.compile_s)
+            sides[b] = side
+    sides = {b: sides[b] for b in BACKENDS}
+    live = [b for b in BACKENDS if sides[b].compiled is not None]
+    for b in live:  # warm-up
+        s = sides[b]
+        for _ in range(2):
+            _step(s.compiled, s.module, s.inputs)
+    for _ in range(samples):
+        for b in live:
+            s = sides[b]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _step(s.compiled, s.module, s.inputs)
+            s.steps.append((time.perf_counter() - t0) / steps)
+    for s in sides.values():
+        s.compiled = s.module = None
+        s.inputs = ()
+    return ModelResult(name, sides)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def report(results: list[ModelResult]) -> tuple[bool, bool]:
+    headers = ["model", "aotgrad step ms", "inductor step ms", "ratio", "min-ratio",
+               "aotgrad compile s", "inductor compile s", "ratio", "check"]
+    rows = []
+    for r in results:
+        a, u = r.sides["aotgrad"], r.sides["inductor"]
+        notes = []
+        for b, s in r.sides.items():
+            if s.error:
+                notes.append(f"{b} {s.error}")
+            elif s.mismatch:
+                notes.append(f"{b} MISMATCH vs eager: {s.mismatch}")
+        rows.append([
+            r.model, _fmt(a.step_ms()), _fmt(u.step_ms()), fmt_ratio(r.ratio("step")),
+            fmt_ratio(r.ratio("step", "min")), _fmt(a.compile_s), _fmt(u.compile_s),
+            fmt_ratio(r.ratio("compile")), "; ".join(notes) or "ok",
+        ])
+    print()
+    print("== torch.compile backends: aotgrad (+Inductor) vs upstream inductor ==")
+    print("   step = forward + backward of a training step, compiled, steady state (median of samples;")
+    print("          min-ratio = fastest sample / fastest sample, used for the step-time verdict)")
+    print("   compile = cold first training step (Dynamo + AOT + Inductor fw/bw), empty caches")
+    print(table(headers, rows, "lrrrrrrrl"))
+
+    def verdict(what: str, target: float) -> bool:
+        # Step time: the ratio of the fastest samples (load from other processes only adds time).
+        vals = [(r.model, r.ratio(what, "min" if what == "step" else "median")) for r in results]
+        ok = bool(vals) and all(v is not None and v <= target for _, v in vals) and not any(
+            r.sides["aotgrad"].error or r.sides["aotgrad"].mismatch for r in results
+        )
+        known = [(m, v) for m, v in vals if v is not None]
+        worst = max(known, key=lambda mv: mv[1]) if known else None
+        label = "step time" if what == "step" else "cold compile time"
+        line = f"target {label} ratio aotgrad/upstream <= {target}: {'PASS' if ok else 'FAIL'}"
+        if worst:
+            line += f" | worst {worst[0]} = {worst[1]:.2f}"
+        over = [f"{m} {v:.2f}" for m, v in known if v > target]
+        if over:
+            line += " | over target: " + ", ".join(over)
+        print(line)
+        return ok
+
+    print()
+    return verdict("step", TARGET_STEP), verdict("compile", TARGET_COMPILE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="comma-separated subset (default: gpt2 if transformers is installed, then models.py)")
+    p.add_argument("--steps", type=int, default=5, help="training steps per timing sample (default 5)")
+    p.add_argument("--samples", type=int, default=7, help="timing samples per backend (default 7)")
+    p.add_argument("--compile-repeats", type=int, default=1,
+                   help="cold compiles per backend and model, alternating order; the minimum is kept (default 1)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import aotgrad  # noqa: F401  (registers nothing: the entry point does; fail early if missing)
+
+    models = all_models()
+    names = args.models or list(models)
+    unknown = [n for n in names if n not in models]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; available: {list(models)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; models: {', '.join(names)}")
+    warm_up_process()
+    results = []
+    for name in names:
+        print(f"  {name} ...", flush=True)
+        results.append(bench_model(name, models[name], args.steps, args.samples, args.compile_repeats, len(results)))
+    report(results)
+    if args.json:
+        raw = [
+            {
+                "model": r.model,
+                **{f"{b}_step_ms": r.sides[b].step_ms() for b in BACKENDS},
+                **{f"{b}_compile_s": r.sides[b].compile_s for b in BACKENDS},
+                "step_ratio": r.ratio("step"),
+                "compile_ratio": r.ratio("compile"),
+                "errors": {b: r.sides[b].error or r.sides[b].mismatch for b in BACKENDS},
+            }
+            for r in results
+        ]
+        with open(args.json, "w") as fh:
+            json.dump(raw, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,792 @@
+"""A `torch.compile` backend: Dynamo's graph -> aotgrad (capture, partition) -> Inductor.
+
+    torch.compile(model, backend="aotgrad")          # Inductor compiles aotgrad's graphs
+    torch.compile(model, backend="aotgrad_eager")    # nop compilers (debugging)
+    torch.compile(model, backend=aotgrad.backend(fw_compiler=..., partition_fn=..., memory_budget=0.5))
+
+The names are registered through the `torch_dynamo_backends` entry-point group (pyproject.toml), so
+they resolve after `pip install` without importing aotgrad first.
+
+What Dynamo hands a backend, and what we do with it:
+
+- a `GraphModule` over flat inputs (parameters and buffers lifted to inputs, user tensors, and
+  `SymInt` sizes when shapes are dynamic), real example tensors, and the placeholders'
+  `example_value` fakes in Dynamo's `FakeTensorMode` (with its `ShapeEnv` when shapes are dynamic).
+  We trace those fakes: aotgrad's capture reuses their fake mode, so symbolic sizes flow into the
+  joint graph, and guards the trace adds land in Dynamo's `ShapeEnv`, which Dynamo turns into guards.
+- Dynamo guards every property aotgrad's own signature keys on (shapes or their symbolic guards,
+  strides, dtypes, devices, `requires_grad`, grad mode, input aliasing), so the backend compiles one
+  signature up front and calls the generated run-time code directly, skipping aotgrad's signature
+  cache and per-call guard.
+- Shape-generic where that is safe: a new batch size reuses the compiled graphs. When the run-time
+  plan itself would bake a symbolic size in (an output that is a view of an input or of an
+  intermediate rebuilt with symbolic view arguments, a metadata mutation with symbolic sizes, or a
+  `SymInt` input that no tensor size determines), the backend instead compiles per concrete shape
+  through aotgrad's own signature cache (`CompiledFunction`): slower to warm up, never wrong.
+
+Inductor is driven directly, one graph at a time, without upstream's AOT layer:
+`torch._inductor.compile_fx.compile_fx_inner(graph, fake_inputs, ...)` for the forward, backward and
+inference graphs, with Inductor's decomposition table given to aotgrad's capture, Inductor's joint-graph
+passes run on aotgrad's joint graph before partitioning (and on inference graphs), and its pre-grad
+passes on Dynamo's graph. Inductor may pick different strides for the activations the forward saves;
+we read them back (`TracingContext.report_output_strides`) and give the backward graph's placeholders
+those strides before compiling it. Inputs mutated under `no_grad` (optimizer steps, BatchNorm stats)
+stay in the inference graph as `copy_`s (`keep_inference_input_mutations=True`), so Inductor updates them
+in place.
+
+Errors: a graph aotgrad cannot compile raises `BackendCompileError` (an `AotgradError`) naming the
+op and the line of the Dynamo graph being traced; with `aotgrad.config.fallback_to_eager = True` it
+warns and runs that graph eagerly instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import linecache
+import logging
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from . import config
+from .api import (
+    AOTConfig,
+    CompiledFunction,
+    _functional_call,
+    _named_state,
+    _plan_depends_on_aliasing,
+    compile_signature,
+)
+from .compilers import nop
+from .errors import AotgradError
+from .inputs import alias_key
+from .partition import default_partition
+
+__all__ = [
+    "BackendCompileError",
+    "aotgrad_backend",
+    "aotgrad_eager",
+    "backend",
+    "inductor_compilers",
+]
+
+_graph_ids = itertools.count()
+log = logging.getLogger(__name__)
+
+
+class BackendCompileError(AotgradError):
+    """aotgrad could not compile a graph Dynamo handed it (see the message for the op and line)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Public constructors
+# ----------------------------------------------------------------------------------------------
+
+
+def backend(
+    fw_compiler: Callable | None = None,
+    bw_compiler: Callable | None = None,
+    partition_fn: Callable | None = None,
+    memory_budget: float | None = None,
+    decompositions: dict | None = None,
+    inference_compiler: Callable | None = None,
+    keep_inference_input_mutations: bool = True,
+) -> AotgradBackend:
+    """Build a `torch.compile` backend running aotgrad with the given pieces.
+
+    With no compiler given, Inductor compiles the forward, backward and inference graphs, and
+    `decompositions` defaults to Inductor's table. `partition_fn` defaults to aotgrad's min-cut
+    partitioner when the installed aotgrad has one (`min_cut_rematerialization_partition`), else
+    `default_partition`; `memory_budget` (0..1) is passed to it and needs a partitioner that takes it.
+    """
+    use_inductor = fw_compiler is None and bw_compiler is None and inference_compiler is None
+    return AotgradBackend(
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        inference_compiler=inference_compiler,
+        partition_fn=partition_fn,
+        memory_budget=memory_budget,
+        decompositions=decompositions,
+        keep_inference_input_mutations=keep_inference_input_mutations,
+        use_inductor=use_inductor,
+    )
+
+
+class AotgradBackend:
+    """A Dynamo backend: `backend_instance(gm, example_inputs) -> callable`."""
+
+    def __init__(
+        self,
+        *,
+        fw_compiler,
+        bw_compiler,
+        inference_compiler,
+        partition_fn,
+        memory_budget,
+        decompositions,
+        keep_inference_input_mutations,
+        use_inductor,
+    ):
+        self.fw_compiler = fw_compiler
+        self.bw_compiler = bw_compiler
+        self.inference_compiler = inference_compiler
+        self.partition_fn = partition_fn
+        self.memory_budget = memory_budget
+        self.decompositions = decompositions
+        self.keep_inference_input_mutations = keep_inference_input_mutations
+        self.use_inductor = use_inductor
+        self.__name__ = "aotgrad" if use_inductor else "aotgrad_custom"
+        if memory_budget is not None:
+            if not 0.0 <= memory_budget <= 1.0:
+                raise ValueError(f"aotgrad.backend: memory_budget must be in [0, 1], got {memory_budget}")
+            if partition_fn is not None and not _takes(partition_fn, "memory_budget"):
+                raise TypeError(
+                    f"aotgrad.backend: partition_fn {getattr(partition_fn, '__name__', partition_fn)} does not "
+                    "take a memory_budget argument; pass a partitioner that does (aotgrad's min-cut)."
+                )
+
+    def __repr__(self) -> str:
+        return f"<aotgrad backend {self.__name__}>"
+
+    # -- Dynamo entry point --------------------------------------------------------------------
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
+        try:
+            return self._compile(gm, list(example_inputs))
+        except Exception as e:
+            if _must_propagate(e):
+                raise
+            err = e if isinstance(e, BackendCompileError) else _describe_failure(e, gm)
+            if config.fallback_to_eager:
+                warnings.warn(f"{err} Running this graph eagerly (aotgrad.config.fallback_to_eager).", stacklevel=2)
+                return _no_dynamo(gm.forward)
+            raise err from e
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _partition_fn(self) -> Callable:
+        part = self.partition_fn or _default_partitioner()
+        if self.memory_budget is not None:
+            if not _takes(part, "memory_budget"):
+                raise TypeError(
+                    "aotgrad.backend: memory_budget needs a partitioner that takes it (aotgrad's "
+                    f"min_cut_rematerialization_partition); {getattr(part, '__name__', part)} does not."
+                )
+            part = functools.partial(part, memory_budget=self.memory_budget)
+        return part
+
+    def _aot_config(self, symbolic: bool) -> AOTConfig:
+        partition = self._partition_fn()
+        if self.use_inductor:
+            compilers = inductor_compilers()
+            fw, bw, inf = compilers.forward, compilers.backward, compilers.inference
+            partition = compilers.partition(partition)
+            decomps = self.decompositions if self.decompositions is not None else _inductor_decompositions()
+        else:
+            fw = self.fw_compiler or self.bw_compiler or self.inference_compiler
+            bw = _fake_bw_inputs(self.bw_compiler or fw)
+            inf = self.inference_compiler or fw
+            decomps = self.decompositions or {}
+        return AOTConfig(
+            fw_compiler=fw,
+            bw_compiler=_no_dynamo_compiler(bw),
+            inference_compiler=inf,
+            partition_fn=partition,
+            decompositions=dict(decomps),
+            num_params_buffers=0,
+            keep_inference_input_mutations=self.keep_inference_input_mutations,
+            dynamic=symbolic,
+        )
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+            raise BackendCompileError(
+                "aotgrad backend: Dynamo passed nested (list/tuple/dict) graph inputs; only flat tensor, "
+                "SymInt and scalar inputs are supported."
+            )
+        fakes = _fake_inputs(gm, example_inputs)
+        if self.use_inductor and config.inductor_graph_passes:
+            gm = _inductor_pre_grad_passes(gm, fakes)
+        names, state = _named_state(gm)
+        fn = _functional_call(gm, names, len(state)) if state else gm
+        leaves = _fake_state(state, fakes) + fakes
+        symbolic = any(_is_symbolic(x) for x in leaves)
+        run = None
+        if not symbolic:
+            run = self._compile_now(fn, leaves, symbolic=False)
+        elif config.symbolic_shapes:
+            # A SymInt input whose symbol no tensor size carries (an int argument Dynamo made
+            # dynamic) gets an "anchor": a zero-stride tensor of that size, a free view at run time,
+            # from which the compiled graphs read the value.
+            anchored = _anchor_positions(leaves)
+            sym_fn, sym_leaves = fn, leaves
+            if anchored:
+                sym_fn = _ignoring_anchors(fn, len(leaves))
+                sym_leaves = leaves + _fake_anchors(leaves, anchored)
+            if _sizes_determined(sym_leaves):
+                try:
+                    run = self._compile_now(sym_fn, sym_leaves, symbolic=True)
+                except Exception as e:  # e.g. an aliasing output whose view chain needs concrete sizes
+                    if _must_propagate(e):
+                        raise
+                    log.debug("aotgrad backend: symbolic compile failed (%s: %s); compiling per shape",
+                              type(e).__name__, e)
+                    run = None
+                if run is not None and _plan_has_symbols(run.plan):
+                    log.debug("aotgrad backend: the run-time plan needs concrete sizes; compiling per shape")
+                    run = None
+                if run is not None and anchored:
+                    plan = run.plan
+                    run = _Anchored(run, anchored)
+                    run.plan = plan
+        if run is None:
+            # Concrete shapes: compiled per signature through aotgrad's own cache and guards. The
+            # current shapes are compiled now, so errors surface here, not at the first call.
+            per_shape = _PerShape(fn, self._aot_config(False))
+            per_shape.prepare(list(state) + _concrete(example_inputs))
+            run = per_shape
+        elif _plan_depends_on_aliasing(run.plan):
+            # The plan mutates inputs (or merged aliased inputs): it holds only while the inputs
+            # alias each other as they did at compile time. Dynamo does not guard every overlap,
+            # so check it (cheaply) per call and compile per signature when it differs.
+            run = _AliasChecked(run, alias_key(leaves), lambda: _PerShape(fn, self._aot_config(False)))
+        return _no_dynamo(_bind_state(run, state))
+
+    def _compile_now(self, fn, leaves: list, *, symbolic: bool) -> Callable:
+        spec = pytree.tree_flatten((tuple(leaves), {}))[1]
+        with _compile_context(leaves):
+            return compile_signature(fn, leaves, spec, self._aot_config(symbolic))
+
+
+class _PerShape:
+    """aotgrad's own per-signature cache (exact shapes, generated guards) for graphs the backend
+    cannot compile shape-generically. A signature that fails to compile raises a
+    `BackendCompileError`, or with `config.fallback_to_eager` warns once and runs eagerly."""
+
+    def __init__(self, fn: Callable, aot_config: AOTConfig):
+        self.inner = CompiledFunction(fn, aot_config)
+
+    def prepare(self, leaves: list) -> Callable:
+        from . import inputs as inputs_stage
+
+        inner = self.inner
+        spec = pytree.tree_flatten((tuple(leaves), {}))[1]
+        key = inputs_stage.signature(leaves, spec)
+        run = inner.cache.get(key)
+        if run is not None:
+            return run
+        try:
+            run = compile_signature(inner.fn, leaves, spec, inner.config)
+            guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
+        except Exception as e:
+            if _must_propagate(e):
+                raise
+            err = _describe_failure(e, inner.fn if isinstance(inner.fn, torch.fx.GraphModule) else None)
+            if not config.fallback_to_eager:
+                raise err from e
+            warnings.warn(f"{err} Running this graph eagerly for these shapes "
+                          "(aotgrad.config.fallback_to_eager).", stacklevel=2)
+            fn = inner.fn
+
+            def run(leaves):
+                return fn(*leaves)
+
+            guard = None
+        inner.cache[key] = run
+        if guard is not None:
+            inner.fast.insert(0, (guard, run))
+        return run
+
+    def __call__(self, leaves) -> Any:
+        for guard, run in self.inner.fast:
+            if guard(leaves):
+                return run(leaves)
+        return self.prepare(list(leaves))(leaves)
+
+
+class _Anchored:
+    """Append a zero-stride anchor tensor for each free SymInt argument (see `_anchor_positions`)."""
+
+    _ANCHOR = torch.empty(())
+
+    def __init__(self, run: Callable, positions: list[int]):
+        self.run, self.positions = run, positions
+
+    def __call__(self, leaves) -> Any:
+        anchor = self._ANCHOR
+        return self.run([*leaves, *(anchor.expand(leaves[i]) for i in self.positions)])
+
+
+def _anchor_positions(leaves: list) -> list[int]:
+    """Positions of SymInt arguments that are a bare symbol no tensor argument's size carries."""
+    import sympy
+
+    known: set = set()
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            for v in (*x.shape, *x.stride(), x.storage_offset()):
+                known |= _free_symbols(v)
+    out = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol) and x.node.expr not in known:
+            known.add(x.node.expr)
+            out.append(i)
+    return out
+
+
+def _fake_anchors(leaves: list, positions: list[int]) -> list:
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([x for x in leaves if isinstance(x, torch.Tensor)]) or _context_fake_mode()
+    with mode if mode is not None else contextlib.nullcontext():
+        base = torch.empty(())
+        return [base.expand(leaves[i]) for i in positions]
+
+
+def _ignoring_anchors(fn: Callable, n: int) -> Callable:
+    def call(*args):
+        return fn(*args[:n])
+
+    return call
+
+
+class _AliasChecked:
+    """Run the shape-generic plan while the inputs alias as at compile time, else per signature."""
+
+    def __init__(self, run: Callable, key: tuple, make_fallback: Callable):
+        self.run, self.key, self.make_fallback = run, key, make_fallback
+        self.fallback = None
+
+    def __call__(self, leaves) -> Any:
+        if alias_key(leaves) == self.key:
+            return self.run(leaves)
+        if self.fallback is None:
+            self.fallback = self.make_fallback()
+        return self.fallback(leaves)
+
+
+def _concrete(example_inputs: list) -> list:
+    """Real example values: SymInt examples replaced by their hints."""
+    out = []
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            hint = x.node.hint
+            x = int(hint) if hint is not None else x
+        out.append(x)
+    return out
+
+
+def inductor_compilers() -> _InductorCompilers:
+    """Forward / backward / inference compilers (and a partition wrapper) that hand aotgrad's graphs
+    to Inductor's `compile_fx_inner`; one set per Dynamo graph."""
+    return _InductorCompilers()
+
+
+def _make_default_backends() -> tuple[AotgradBackend, AotgradBackend]:
+    default = backend()
+    eager = backend(fw_compiler=nop, bw_compiler=nop, inference_compiler=nop)
+    eager.__name__ = "aotgrad_eager"
+    return default, eager
+
+
+aotgrad_backend, aotgrad_eager = _make_default_backends()
+
+
+# ----------------------------------------------------------------------------------------------
+# Inductor
+# ----------------------------------------------------------------------------------------------
+
+
+def _inductor_decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def _inductor_pre_grad_passes(gm: torch.fx.GraphModule, fakes: list) -> torch.fx.GraphModule:
+    from torch._inductor.compile_fx import run_pre_grad_passes
+
+    with _compile_context(fakes):
+        return run_pre_grad_passes(gm, fakes)
+
+
+_FWD_OF_BWD = "aotgrad_forward_module"
+_NUM_FWD = "aotgrad_num_fwd_outputs"
+_OUT_STRIDES = "aotgrad_output_strides"
+
+
+class _InductorCompilers:
+    """Compile aotgrad's graphs with `compile_fx_inner`: fake example inputs from the graph's own
+    placeholders, the TracingContext/fake mode Inductor reads, the boxed convention (Inductor's
+    compiled graphs take one list), and forward output strides handed to the backward."""
+
+    def __init__(self):
+        from torch._guards import TracingContext
+
+        self.graph_id = next(_graph_ids)
+        self.context = TracingContext.try_get()  # Dynamo's; re-entered for the lazy backward
+
+    def partition(self, partition_fn: Callable) -> Callable:
+        def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+            if config.inductor_graph_passes:
+                from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+                with self._context(_placeholder_values(joint_module)):
+                    joint_module = _recursive_joint_graph_passes(joint_module)
+            fw, bw = partition_fn(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            fw.meta[_NUM_FWD] = num_fwd_outputs
+            bw.meta[_FWD_OF_BWD] = fw
+            return fw, bw
+
+        partition.__name__ = f"inductor_joint_passes({getattr(partition_fn, '__name__', 'partition')})"
+        return partition
+
+    def forward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
+        n = gm.meta.get(_NUM_FWD)
+        return self._compile(gm, visible=n, is_inference=False, is_backward=False)
+
+    def inference(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
+        example = _placeholder_values(gm)
+        if config.inductor_graph_passes:
+            from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+            with self._context(example):
+                gm = _recursive_joint_graph_passes(gm)
+        return self._compile(gm, visible=None, is_inference=True, is_backward=False)
+
+    def backward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
+        fw = gm.meta.get(_FWD_OF_BWD)
+        if fw is not None:
+            _restride_saved(gm, fw)
+        return self._compile(gm, visible=None, is_inference=False, is_backward=True)
+
+    @contextlib.contextmanager
+    def _context(self, example: list):
+        from torch._guards import TracingContext, tracing
+        from torch._inductor.virtualized import V
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
+
+        # The graph's own fake mode (detect_fake_mode would prefer the active TracingContext's,
+        # which is Dynamo's even when aotgrad traced real inputs in a fresh mode).
+        fake_mode = _mode_of(example) or FakeTensorMode(allow_non_fake_inputs=True)
+        ctx = TracingContext.try_get() or self.context
+        if ctx is None or ctx.fake_mode is not fake_mode:
+            ctx = TracingContext(fake_mode)
+        with V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
+            yield ctx
+
+    def _compile(self, gm, *, visible, is_inference, is_backward) -> Callable:
+        from torch._guards import TracingContext
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.utils import BoxedBool
+
+        example = _placeholder_values(gm)
+        out = gm.graph.output_node()
+        outs = list(out.args[0])
+        n = len(outs) if visible is None else visible
+        # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
+        out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
+        with self._context(example):
+            with TracingContext.report_output_strides() as strides:
+                compiled = compile_fx_inner(
+                    gm,
+                    example,
+                    cudagraphs=BoxedBool(False),
+                    graph_id=self.graph_id,
+                    is_inference=is_inference,
+                    is_backward=is_backward,
+                )
+            if not is_inference and not is_backward and strides is not None:
+                gm.meta[_OUT_STRIDES] = list(strides)
+        return compiled
+
+
+def _restride_saved(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
+    """Give the backward's saved-value placeholders the strides Inductor chose for them."""
+    strides = fw.meta.get(_OUT_STRIDES)
+    n_fwd = fw.meta.get(_NUM_FWD)
+    if not strides or n_fwd is None:
+        return
+    saved_strides = strides[n_fwd:]
+    placeholders = [p for p in bw.graph.nodes if p.op == "placeholder"]
+    for p, stride in zip(placeholders, saved_strides):
+        val = p.meta.get("val")
+        if stride is None or not isinstance(val, torch.Tensor) or tuple(val.stride()) == tuple(stride):
+            continue
+        fake_mode = getattr(val, "fake_mode", None)
+        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+        with ctx:
+            p.meta["val"] = torch.empty_strided(val.shape, tuple(stride), dtype=val.dtype, device=val.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _mode_of(values: list):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for v in values:
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    return None
+
+
+def _placeholder_values(gm: torch.fx.GraphModule) -> list:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _fake_bw_inputs(compiler: Callable) -> Callable:
+    """Backward compilers get fake example inputs (the placeholders' values), as with upstream."""
+
+    def bw_compiler(gm, _example_inputs):
+        vals = _placeholder_values(gm)
+        return compiler(gm, vals if all(v is not None for v in vals) else list(_example_inputs))
+
+    return bw_compiler
+
+
+def _no_dynamo(fn: Callable) -> Callable:
+    """Dynamo must not trace into compiled graphs or the generated run time."""
+    return torch._dynamo.disable(fn, reason="aotgrad: compiled graph")
+
+
+def _no_dynamo_compiler(compiler: Callable) -> Callable:
+    def wrapped(gm, example_inputs):
+        compiled = torch._dynamo.disable(compiler, reason="aotgrad: backward compiler")(gm, example_inputs)
+        boxed = getattr(compiled, "_boxed_call", False)
+        out = _no_dynamo(compiled)
+        if boxed:
+            out._boxed_call = True
+        return out
+
+    return wrapped
+
+
+def _bind_state(run: Callable, state: list) -> Callable:
+    if not state:
+
+        def forward(*args):
+            return run(args)
+
+    else:
+
+        def forward(*args):
+            return run([*state, *args])
+
+    return forward
+
+
+def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list:
+    """Fake inputs in the backend's fake mode (TracingContext.fake_mode), with the symbolic sizes
+    Dynamo decided on (its per-tensor symbolic context); real examples when there is no context."""
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    ctx = TracingContext.try_get()
+    mode = ctx.fake_mode if ctx is not None else None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for i, x in enumerate(example_inputs):
+        ev = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
+        if mode is None or not isinstance(x, torch.Tensor):
+            # A SymInt input: keep the symbol Dynamo traced with (guards refer to it).
+            out.append(ev if isinstance(ev, torch.SymInt) and not isinstance(x, torch.SymInt) else x)
+            continue
+        if isinstance(x, FakeTensor):
+            out.append(x if x.fake_mode is mode else mode.from_tensor(x))
+            continue
+        sym_ctx = ctx.tensor_to_context.get(x) if hasattr(ctx.tensor_to_context, "get") else None
+        if sym_ctx is not None:
+            out.append(mode.from_tensor(x, symbolic_context=sym_ctx, source=sym_ctx.tensor_source, trace=False))
+        else:
+            out.append(mode.from_tensor(x, static_shapes=True))
+    return out
+
+
+def _fake_state(state: list, fakes: list) -> list:
+    """Parameters/buffers still attached to Dynamo's graph (not lifted), as static fakes."""
+    if not state:
+        return []
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([x for x in fakes if isinstance(x, torch.Tensor)]) or _context_fake_mode()
+    if mode is None:
+        return list(state)
+    return [mode.from_tensor(t, static_shapes=True) for t in state]
+
+
+def _context_fake_mode():
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    return ctx.fake_mode if ctx is not None else None
+
+
+@contextlib.contextmanager
+def _compile_context(leaves: list):
+    """Dynamo's tracing context (or a new one for our fake mode) and the python dispatcher, which
+    symbolic-shape decompositions need."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
+
+    ctx = TracingContext.try_get()
+    stack = contextlib.ExitStack()
+    with stack:
+        if ctx is None:
+            mode = detect_fake_mode([x for x in leaves if isinstance(x, torch.Tensor)])
+            if mode is not None:
+                stack.enter_context(tracing(TracingContext(mode)))
+        stack.enter_context(enable_python_dispatcher())
+        yield
+
+
+def _is_symbolic(x: Any) -> bool:
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(x, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride(), x.storage_offset()))
+    return False
+
+
+def _free_symbols(x) -> set:
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return set(x.node.expr.free_symbols)
+    return set()
+
+
+def _sizes_determined(leaves: list) -> bool:
+    """Every symbol of a SymInt input appears in some tensor input's sizes/strides/offset (so the
+    compiled graphs can read it off the tensors; Dynamo passes such SymInts alongside)."""
+    known: set = set()
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            for s in (*x.shape, *x.stride(), x.storage_offset()):
+                known |= _free_symbols(s)
+    need: set = set()
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            need |= _free_symbols(x)
+    return need <= known
+
+
+def _plan_has_symbols(obj: Any, _depth: int = 0) -> bool:
+    """Would the generated run time bake a symbolic value in (view args, restrides, ...)?"""
+    if _depth > 12:
+        return False
+    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return not obj.node.is_constant() if hasattr(obj.node, "is_constant") else True
+    if isinstance(obj, torch.Tensor) or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return False
+    if isinstance(obj, (list, tuple)):
+        return any(_plan_has_symbols(v, _depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        return any(_plan_has_symbols(v, _depth + 1) for v in obj.values())
+    if is_dataclass(obj) and not isinstance(obj, type):
+        skip = {"constants", "spec", "out_spec"}
+        return any(_plan_has_symbols(getattr(obj, f.name), _depth + 1) for f in fields(obj) if f.name not in skip)
+    return False
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def _default_partitioner() -> Callable:
+    """aotgrad's min-cut partitioner when this aotgrad has one, else `default_partition`."""
+    import aotgrad
+
+    from . import partition as partition_module
+
+    for where in (partition_module, aotgrad):
+        fn = getattr(where, "min_cut_rematerialization_partition", None)
+        if fn is not None:
+            return fn
+    return default_partition
+
+
+def _must_propagate(e: BaseException) -> bool:
+    """Dynamo control flow (restart analysis, skip frame) must reach Dynamo unchanged."""
+    try:
+        from torch._dynamo import exc as dexc
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, (dexc.RestartAnalysis, dexc.SkipFrame))
+
+
+def _describe_failure(e: BaseException, gm: torch.fx.GraphModule | None) -> BackendCompileError:
+    """A `BackendCompileError` naming the failing op, the input involved and the Dynamo graph line."""
+    op = _failing_op(e)
+    line = _graph_line(e, gm) if gm is not None else None
+    first = (str(e).strip().splitlines() or [""])[0][:400].rstrip(". ")
+    parts = [f"aotgrad could not compile a graph Dynamo handed it: {type(e).__name__}: {first}"]
+    if op is not None and op not in first:
+        parts.append(f"op: {op}")
+    named = _input_names(first, gm) if gm is not None else None
+    if named:
+        parts.append(named)
+    if line is not None:
+        parts.append(f"while tracing: `{line}`")
+    if not config.fallback_to_eager:
+        parts.append("set aotgrad.config.fallback_to_eager = True to run such graphs eagerly")
+    return BackendCompileError(". ".join(parts) + ".")
+
+
+def _input_names(message: str, gm: torch.fx.GraphModule) -> str | None:
+    """'input 3' in an aotgrad message, as the Dynamo graph's placeholder (and its source) name."""
+    import re
+
+    m = re.search(r"\binputs? \[?(\d+)", message)
+    if not m:
+        return None
+    names, _ = _named_state(gm)
+    i = int(m.group(1)) - len(names)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not 0 <= i < len(placeholders):
+        return None
+    node = placeholders[i]
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    where = f" ({source.name})" if source is not None and hasattr(source, "name") else ""
+    return f"input {m.group(1)} is the graph input `{node.name}`{where}"
+
+
+def _failing_op(e: BaseException) -> str | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        func = getattr(e, "func", None) or getattr(e, "target", None)
+        if func is not None:
+            return str(func)
+        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
+    return None
+
+
+def _graph_line(e: BaseException, gm: torch.fx.GraphModule) -> str | None:
+    code = getattr(gm.forward, "__code__", None)
+    filename = code.co_filename if code is not None else None
+    seen = set()
+    found = None
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame in traceback.extract_tb(e.__traceback__):
+            if filename is not None and frame.filename == filename:
+                found = (linecache.getline(frame.filename, frame.lineno) or frame.line or "").strip()
+        e = e.__cause__ or e.__context__
+    if found:
+        return found.split(";")[0].strip()
+    return None

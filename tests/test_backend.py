@@ -1,0 +1,396 @@
+"""The torch.compile backend (aotgrad.backend): training loops, dynamic shapes, graph breaks,
+inference, a compiled optimizer step, errors, and the entry-point registration.
+
+Inductor compiles are slow on 2 cores, so only a few tests use backend="aotgrad" (Inductor); the
+rest use "aotgrad_eager" (nop compilers: same capture, partition and run time).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotgrad
+
+backend_module = sys.modules["aotgrad.backend"]
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class TinyNet(nn.Module):
+    def __init__(self, d: int = 8, out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, out)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.ln(self.fc1(x))))
+
+
+class Counting:
+    """A custom aotgrad backend that records every graph it compiles (nop compilers)."""
+
+    def __init__(self):
+        self.graphs: list[tuple[str, list]] = []
+
+        def compiler(kind):
+            def compile_(gm, example_inputs):
+                self.graphs.append((kind, [tuple(getattr(e, "shape", ())) for e in example_inputs]))
+                return gm.forward
+
+            return compile_
+
+        self.backend = aotgrad.backend(
+            fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), inference_compiler=compiler("inference")
+        )
+
+    def count(self, kind: str) -> int:
+        return sum(k == kind for k, _ in self.graphs)
+
+
+def _grads(mod):
+    return [p.grad.clone() for p in mod.parameters()]
+
+
+def _train(model, steps, batches, compiled=None, opt_step_compile=None):
+    fn = compiled if compiled is not None else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = opt_step_compile(opt.step) if opt_step_compile else opt.step
+    losses, grads = [], []
+    for x, y in batches[:steps]:
+        loss = F.mse_loss(fn(x), y)
+        loss.backward()
+        grads.append(_grads(model))
+        step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _batches(n=3, bs=4, d=8, out=4):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(bs, d, generator=g), torch.randn(bs, out, generator=g)) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def test_training_loop_inductor_matches_eager():
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    batches = _batches()
+    eager_losses, eager_grads = _train(ref, 3, batches)
+    losses, grads = _train(mod, 3, batches, compiled=torch.compile(mod, backend="aotgrad"))
+    assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+    for g_step, e_step in zip(grads, eager_grads):
+        for g, e in zip(g_step, e_step):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_training_loop_eager_backend_is_exact():
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    batches = _batches()
+    eager_losses, eager_grads = _train(ref, 3, batches)
+    losses, grads = _train(mod, 3, batches, compiled=torch.compile(mod, backend="aotgrad_eager"))
+    assert losses == eager_losses
+    for g_step, e_step in zip(grads, eager_grads):
+        for g, e in zip(g_step, e_step):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_dynamic_batch_size_inductor_no_recompile():
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    f = torch.compile(mod, backend="aotgrad", dynamic=True)
+    for bs in (3, 5, 9):
+        x = torch.randn(bs, 8)
+        out = f(x)
+        exp = ref(x)
+        torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-6)
+        out.sum().backward()
+        exp.sum().backward()
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == 1
+
+
+def test_dynamic_batch_size_one_aot_compile():
+    counting = Counting()
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    f = torch.compile(mod, backend=counting.backend, dynamic=True)
+    for bs in (3, 5, 9, 5):
+        x = torch.randn(bs, 8)
+        out = f(x)
+        torch.testing.assert_close(out, ref(x))
+        out.sum().backward()
+    assert counting.count("forward") == 1 and counting.count("backward") == 1
+    # traced with the symbolic batch size
+    assert any(isinstance(s, torch.SymInt) for shape in counting.graphs[0][1] for s in shape)
+
+
+def test_mark_dynamic():
+    counting = Counting()
+    torch.manual_seed(0)
+    mod = TinyNet()
+    f = torch.compile(mod, backend=counting.backend)
+    for bs in (4, 6, 10):
+        x = torch.randn(bs, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(f(x), mod(x))
+    assert counting.count("forward") == 1
+
+
+@pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
+def test_dynamic_shapes_never_reuse_a_wrong_graph(backend):
+    # Outputs aliasing the input / an intermediate, a size returned as an int, and a free int
+    # argument: correct for every size (compiled shape-generically or per concrete shape, never
+    # reused where it does not fit).
+    def f(x, n):
+        y = x.sin() * n
+        return y.view(-1), x[1:], y.sum() + n, x.shape[0] * 2
+
+    cf = torch.compile(f, backend=backend, dynamic=True)
+    sizes = ((3, 2), (5, 3), (7, 2), (5, 5)) if backend == "aotgrad_eager" else ((3, 2), (6, 3))
+    for b, n in sizes:
+        x = torch.randn(b, 4, requires_grad=True)
+        out = cf(x, n)
+        exp = f(x, n)
+        assert out[3] == exp[3]
+        for o, e in zip(out[:3], exp[:3]):
+            torch.testing.assert_close(o, e)
+        assert out[1]._base is x
+        sum(o.sum() for o in out[:3]).backward()
+        g = x.grad.clone()
+        x.grad = None
+        sum(e.sum() for e in exp[:3]).backward()
+        torch.testing.assert_close(g, x.grad)
+
+
+def test_dynamic_int_argument_one_aot_compile():
+    # An int argument Dynamo makes dynamic is a SymInt input no tensor size carries: the backend
+    # hands the graphs a zero-stride "anchor" tensor of that size, so new values reuse the graph.
+    counting = Counting()
+
+    def g(x, n):
+        return (x.reshape(n, -1).cos() * n).sum(0)
+
+    cg = torch.compile(g, backend=counting.backend, dynamic=True)
+    for n in (2, 4, 8):
+        x = torch.randn(16, 4, requires_grad=True)
+        out = cg(x, n)
+        exp = g(x, n)
+        torch.testing.assert_close(out, exp)
+        out.sum().backward()
+        gx = x.grad
+        x.grad = None
+        exp.sum().backward()
+        torch.testing.assert_close(gx, x.grad)
+    assert counting.count("forward") == 1 and counting.count("backward") == 1
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = TinyNet(8, 8)
+        self.b = TinyNet(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h.relu())
+
+
+def test_graph_breaks():
+    counting = Counting()
+    torch.manual_seed(0)
+    ref = Broken()
+    mod = copy.deepcopy(ref)
+    batches = _batches()
+    eager_losses, eager_grads = _train(ref, 3, batches)
+    losses, grads = _train(mod, 3, batches, compiled=torch.compile(mod, backend=counting.backend))
+    assert counting.count("forward") == 2 and counting.count("backward") == 2
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    for g_step, e_step in zip(grads, eager_grads):
+        for g, e in zip(g_step, e_step):
+            torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("ctx", ["no_grad", "inference_mode"])
+def test_inference(ctx):
+    counting = Counting()
+    torch.manual_seed(0)
+    mod = TinyNet().eval()
+    f = torch.compile(mod, backend=counting.backend)
+    x = torch.randn(4, 8)
+    manager = torch.no_grad() if ctx == "no_grad" else torch.inference_mode()
+    with manager:
+        out = f(x)
+        exp = mod(x)
+    torch.testing.assert_close(out, exp)
+    assert not out.requires_grad
+    assert counting.count("inference") == 1 and counting.count("forward") == 0
+    # grad mode on again: a training graph (Dynamo guards grad mode)
+    out = f(x)
+    assert out.requires_grad
+    assert counting.count("forward") == 1
+
+
+def test_compiled_adamw_step_inductor_equals_eager():
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    batches = _batches(n=3)
+    eager_losses, _ = _train(ref, 3, batches)
+    losses, _ = _train(mod, 3, batches, opt_step_compile=lambda step: torch.compile(step, backend="aotgrad"))
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_adamw_step_mutations_in_graph():
+    counting = Counting()
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    dyn = copy.deepcopy(ref)
+    batches = _batches(n=3)
+    _train(ref, 3, batches)
+    _train(mod, 3, batches, opt_step_compile=lambda step: torch.compile(step, backend=counting.backend))
+    torch._dynamo.reset()
+    _train(dyn, 3, batches, opt_step_compile=lambda step: torch.compile(step, backend="eager"))
+    assert counting.count("inference") >= 1 and counting.count("forward") == 0
+    # Dynamo traces AdamW's compile-time branches (tensor step, tensor bias corrections): the same
+    # arithmetic as Dynamo's own eager backend, bit for bit, and eager's up to float rounding.
+    for p, q, d in zip(mod.parameters(), ref.parameters(), dyn.parameters()):
+        torch.testing.assert_close(p, d, rtol=0, atol=0)
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+@torch.library.custom_op("aotgrad_backend_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _uses_op_without_autograd(x):
+    return _twice(x.sin()).cos()
+
+
+def test_uncompilable_graph_names_the_op():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(Exception) as info:
+        torch.compile(_uses_op_without_autograd, backend="aotgrad_eager")(x)
+    text = str(info.value)
+    assert "BackendCompileError" in text and "aotgrad_backend_test.twice" in text
+    assert "fallback_to_eager" in text
+
+
+def test_fallback_to_eager_warns_and_runs():
+    x = torch.randn(4, requires_grad=True)
+    with aotgrad.config.patch(fallback_to_eager=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(_uses_op_without_autograd, backend="aotgrad_eager")(x)
+    torch.testing.assert_close(out, _uses_op_without_autograd(x))
+    assert any("aotgrad_backend_test.twice" in str(w.message) and "eagerly" in str(w.message) for w in caught)
+
+
+def test_config_patch_rejects_unknown_option():
+    with pytest.raises(AttributeError):
+        with aotgrad.config.patch(no_such_option=True):
+            pass
+
+
+def test_memory_budget_needs_a_partitioner_that_takes_it():
+    with pytest.raises(TypeError, match="memory_budget"):
+        aotgrad.backend(partition_fn=aotgrad.default_partition, memory_budget=0.5)
+    with pytest.raises(ValueError):
+        aotgrad.backend(memory_budget=1.5)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+def test_memory_budget_training_matches_eager(budget):
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    batches = _batches()
+    eager_losses, eager_grads = _train(ref, 2, batches)
+    be = aotgrad.backend(fw_compiler=aotgrad.nop, memory_budget=budget)
+    losses, grads = _train(mod, 2, batches, compiled=torch.compile(mod, backend=be))
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    for g_step, e_step in zip(grads, eager_grads):
+        for g, e in zip(g_step, e_step):
+            torch.testing.assert_close(g, e)
+
+
+def test_custom_partition_fn_is_used():
+    seen = []
+
+    def part(joint, inputs, *, num_fwd_outputs, **kw):
+        seen.append(num_fwd_outputs)
+        return aotgrad.default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs)
+
+    mod = TinyNet()
+    be = aotgrad.backend(fw_compiler=aotgrad.nop, partition_fn=part)
+    x = torch.randn(2, 8)
+    torch.compile(mod, backend=be)(x).sum().backward()
+    assert seen == [1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+
+
+def test_entry_point_resolves_in_fresh_process():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        names = torch._dynamo.list_backends()
+        assert "aotgrad" in names and "aotgrad_eager" in names, names
+        assert "aotgrad" not in sys.modules
+        f = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aotgrad_eager")
+        x = torch.randn(5, requires_grad=True)
+        f(x).backward()
+        torch.testing.assert_close(x.grad, 2 * x.cos())
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
+
+
+def test_public_names():
+    assert callable(aotgrad.backend)
+    assert backend_module.aotgrad_backend is aotgrad.aotgrad_backend
+    assert aotgrad.config.fallback_to_eager is False
