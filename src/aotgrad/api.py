@@ -1,4 +1,4 @@
-"""The public entry points, with `functorch.compile`'s names and signatures.
+"""The public entry points, with the names and signatures of upstream's AOT API.
 
 `aot_function(fn, fw_compiler, ...)` returns a callable that, per distinct input signature
 (inputs.signature), runs the pipeline once and then only the generated run-time code:

@@ -8,7 +8,7 @@ from torch._decomp import get_decompositions
 aten = torch.ops.aten
 
 # Ops whose backward formulas are easier for graph compilers to fuse once decomposed
-# (the same spirit as functorch.compile.default_decompositions).
+# (in the spirit of upstream's default decompositions).
 _DEFAULT_OPS = [
     aten.detach,
     aten.gelu_backward,

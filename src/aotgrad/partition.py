@@ -1,6 +1,6 @@
 """Stage 4 — partition: split the joint graph into a forward and a backward graph.
 
-A partitioner has the `functorch.compile` signature
+A partitioner has upstream's partitioner signature
 `partition_fn(joint_module, joint_inputs, *, num_fwd_outputs) -> (fw_module, bw_module)`:
 
 - the joint graph's placeholders are `primals_*` then `tangents_*`; its output is a flat list, the

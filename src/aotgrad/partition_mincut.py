@@ -1,7 +1,7 @@
 """A size-aware min-cut partitioner, a memory budget, and save/recompute policies.
 
 `min_cut_rematerialization_partition(joint_module, joint_inputs, *, num_fwd_outputs, memory_budget=None,
-policy=None)` has the `functorch.compile` partitioner signature. It decides which forward values the
+policy=None)` has upstream's partitioner signature. It decides which forward values the
 forward hands to the backward ("saved"), and which ones the backward computes again ("recomputed").
 
 The model
