@@ -102,11 +102,11 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .capture import BACKWARD_MUTATION
-from .partition import _ancestors, _descendants, _flat_outputs, side_effects
+from .partition import _ancestors, _descendants, _flat_outputs, _order_saved, extract_graph, side_effects
 
 __all__ = [
     "POLICIES",
@@ -689,44 +689,6 @@ def _source_side(residual: nx.DiGraph, tie: str) -> set:
 # ------------------------------------------------------------------------------------------------
 
 
-def _extract(joint: GraphModule, inputs: list[Node], outputs: list, side_effects: Sequence[Node] = ()) -> GraphModule:
-    """A module computing `outputs` (and `side_effects`) from `inputs`, nodes in joint order.
-    Constants (`get_attr`) are taken from the joint module."""
-    needed = _ancestors(list(outputs) + list(side_effects), stop=set(inputs))
-    new = Graph()
-    env: dict[Node, Node] = {}
-    for node in inputs:
-        p = new.placeholder(node.name)
-        p.meta = dict(node.meta)
-        env[node] = p
-    for node in joint.graph.nodes:
-        if node.op == "placeholder":
-            if node in needed and node not in env:
-                raise RuntimeError(f"aotgrad min-cut internal error: {node.name} needed but not an input")
-            continue
-        if node.op == "output" or node in env or node not in needed:
-            continue
-        env[node] = new.node_copy(node, env.__getitem__)
-    new.output([env[o] if isinstance(o, Node) else o for o in outputs])
-    consts = {n.target: _fetch_attr(joint, n.target) for n in new.nodes if n.op == "get_attr"}
-    return GraphModule(consts or torch.nn.Module(), new)
-
-
-def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _order_saved(graph: Graph, saved: Iterable[Node]) -> list[Node]:
-    """Tensors first, then other values (symbolic ints), each in graph order (the run time's layout)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    uniq = sorted(set(saved), key=order.__getitem__)
-    tensors = [n for n in uniq if isinstance(_val(n), torch.Tensor)]
-    return tensors + [n for n in uniq if not isinstance(_val(n), torch.Tensor)]
-
-
 def _recomputed(j: _Joint, saved: list[Node]) -> list[Node]:
     fw = _ancestors(list(j.fw_outs) + saved + j.fw_effects, stop=set(j.primals))
     boundary = set(saved) | set(j.tangents)
@@ -877,8 +839,8 @@ def min_cut_rematerialization_partition(
     j = _Joint(joint_module, num_fwd_outputs, resolved)
     saved, extra = _choose(j, None if memory_budget is None else float(memory_budget))
     saved = _order_saved(j.graph, saved)
-    fw_module = _extract(joint_module, j.primals, list(j.fw_outs) + saved, j.fw_effects)
-    bw_module = _extract(joint_module, saved + j.tangents, list(j.bw_outs), j.bw_effects)
+    fw_module = extract_graph(j.graph, j.primals, list(j.fw_outs) + saved, j.fw_effects)
+    bw_module = extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects)
     info = PartitionInfo(
         saved=[n.name for n in saved],
         saved_bytes=j.saved_bytes(saved),
