@@ -196,23 +196,20 @@ def _overlaps_itself(size, stride) -> bool:
 
 def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
     """Run `traced` recording aten calls: with the lean recorder (tracer.py) when it can, else make_fx."""
-    if _LEAN:
-        recorder = LeanTracer(list(fake_primals), decompositions)
-        try:
-            with fake_mode, recorder:
-                outputs = traced(list(fake_primals))
-            return recorder.finish(outputs)
-        except (AotgradError, NeedsSyntheticBase):
-            raise
-        except Exception:  # symbolic shapes, other higher-order ops...: make_fx knows them all
-            pass
+    recorder = LeanTracer(list(fake_primals), decompositions)
+    try:
+        with fake_mode, recorder:
+            outputs = traced(list(fake_primals))
+        return recorder.finish(outputs)
+    except (AotgradError, NeedsSyntheticBase):
+        raise
+    except Exception:  # symbolic shapes, other higher-order ops...: make_fx knows them all
+        pass
     with fake_mode:
         return make_fx(traced, decomposition_table=decompositions, _disable_torch_fn_metadata_mode=True)(
             list(fake_primals)
         )
 
-
-_LEAN = True
 
 
 def _recorder():
@@ -285,10 +282,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     if training:
         grads, num_tangents = _trace_backward(fw, primals, funs, bases, mode)
     _sink_effect_token(mode, initial_token)
-    requires_grad = tuple(_wants_grad(p, f) for p, f in zip(primals, funs))
     state["plan"] = Plan(
         layout=layout,
-        primal_requires_grad=requires_grad if training else (False,) * len(funs),
         mutations=tuple(fw.mutations),
         fw_outputs=tuple(fw.fw_outputs),
         out_spec=out_spec,

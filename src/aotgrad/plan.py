@@ -304,7 +304,6 @@ class Plan:
     """Everything the run time needs to know about one compiled signature."""
 
     layout: InputLayout
-    primal_requires_grad: tuple[bool, ...]
     mutations: tuple[InputMutation, ...]
     fw_outputs: tuple[FwOutput, ...]
     out_spec: TreeSpec

@@ -26,7 +26,6 @@ import torch
 import torch.fx
 from torch._higher_order_ops.effects import with_effects
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -170,7 +169,3 @@ def _with_effects(mode: LeanTracer, token, op, *args, **kwargs):
     with torch.utils._python_dispatch._pop_mode_temporarily(mode._mode_key):
         out = with_effects(token, op, *args, **kwargs)
     return mode.record(with_effects, (token, op, *args), kwargs, out)
-
-
-def flat_tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
