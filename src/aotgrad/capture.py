@@ -1,7 +1,7 @@
 """Stage 3 — capture: one trace yields the joint graph *and* the plan.
 
 Autograd sits above functionalization in the dispatcher, so we trace the user's forward once, on fake
-tensors that require grad, under `FunctionalTensorMode`, inside one `make_fx` session. At the end of
+tensors that require grad, under `FunctionalTensorMode`, inside one recording session (tracer.py, or make_fx). At the end of
 the forward we read the mutation and alias facts off the functional wrappers (analysis.py), decide
 which values need tangents, add those tangents as new graph placeholders, and call
 `torch.autograd.grad` in the same session to trace the backward. Upstream traces the program two or
