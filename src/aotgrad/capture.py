@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 from torch._higher_order_ops.effects import _EffectType as EffectType
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -137,7 +138,10 @@ def capture(
     view_replay = torch._C._is_view_replay_enabled()
     torch._C._set_view_replay_enabled(True)
     try:
-        gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
+        # Dispatch modes the caller has active (a FLOP counter, a logging mode) would see, and
+        # interleave with, the trace's own modes; they see the compiled code's ops at run time.
+        with torch.utils._python_dispatch._disable_current_modes():
+            gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
     except RuntimeError as e:
         if isinstance(e, AotgradError):
             raise
@@ -173,6 +177,8 @@ class _Functionalize(FunctionalTensorMode):
                     "Do it outside no_grad, or on a .clone()."
                 )
         schema = getattr(func, "_schema", None)
+        if schema is not None and not torch._library.utils.is_builtin(func):
+            _check_custom_op(func, schema)
         if schema is not None and schema.is_mutable and torch.Tag.inplace_view not in func.tags:
             for a, spec in zip(args, schema.arguments):
                 if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor):
@@ -183,6 +189,27 @@ class _Functionalize(FunctionalTensorMode):
                             "the result would depend on write order. Write into a .clone() instead."
                         )
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _check_custom_op(func, schema) -> None:
+    """A custom op is functionalized by torch's auto-functionalization (a functional call that returns
+    new values for the mutated arguments) unless it brings its own functionalization kernel. Refuse,
+    naming the op, the schemas that neither covers, before torch fails with a less direct message."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.Functionalize):
+        return
+    if schema.is_mutable and can_auto_functionalize(func):
+        return
+    aliased = [r for r in schema.returns if r.alias_info is not None]
+    if aliased:
+        raise UnsupportedMutationError(
+            f"aotgrad: custom operator {func} returns an alias of an argument ({schema}); functionalization "
+            "cannot follow it. Return a new tensor (no alias annotation on the return), or nothing."
+        )
+    if schema.is_mutable:
+        raise UnsupportedMutationError(
+            f"aotgrad: custom operator {func} mutates an argument of a type auto-functionalization does not "
+            f"handle ({schema}). Declare mutated arguments as Tensor(a!), Tensor(a!)? or Tensor(a!)[]."
+        )
 
 
 def _overlaps_itself(size, stride) -> bool:

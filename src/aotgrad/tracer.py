@@ -7,7 +7,8 @@ aotgrad never reads (proxy objects, torch-function metadata, tensor-meta snapsho
 trace about twice as fast.
 
 It handles static shapes only. Symbolic shapes, and higher-order operators other than
-`with_effects`, raise `UseMakeFx`; capture then traces with `make_fx` instead.
+`with_effects` and the auto-functionalization ones (custom ops that mutate their arguments), raise
+`UseMakeFx`; capture then traces with `make_fx` instead.
 
     graph, placeholders = new_graph(fake_primals)
     with LeanTracer(graph, placeholders, decompositions) as tracer:
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
 from torch._higher_order_ops.effects import with_effects
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,8 +166,19 @@ _METADATA_OPS = {
 }
 
 
-@with_effects.py_impl(LeanTracer)
-def _with_effects(mode: LeanTracer, token, op, *args, **kwargs):
-    with torch.utils._python_dispatch._pop_mode_temporarily(mode._mode_key):
-        out = with_effects(token, op, *args, **kwargs)
-    return mode.record(with_effects, (token, op, *args), kwargs, out)
+def _record_higher_order(hop):
+    """Run `hop` on the modes below ours (fake), then record it as one node, like an aten call."""
+
+    def run_and_record(mode: LeanTracer, *args, **kwargs):
+        if torch._C._get_dispatch_mode(mode._mode_key) is mode:  # some callers leave us active
+            with torch.utils._python_dispatch._pop_mode_temporarily(mode._mode_key):
+                out = hop(*args, **kwargs)
+        else:
+            out = hop(*args, **kwargs)
+        return mode.record(hop, args, kwargs, out)
+
+    hop.py_impl(LeanTracer)(run_and_record)
+
+
+for _hop in (with_effects, auto_functionalized, auto_functionalized_v2):
+    _record_higher_order(_hop)
