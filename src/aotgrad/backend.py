@@ -66,7 +66,7 @@ from .api import (
     _plan_depends_on_aliasing,
     compile_signature,
 )
-from .compilers import nop
+from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
 from .inputs import alias_key
 from .partition import default_partition
@@ -196,9 +196,12 @@ class AotgradBackend:
             bw = _fake_bw_inputs(self.bw_compiler or fw)
             inf = self.inference_compiler or fw
             decomps = self.decompositions or {}
+        bw = _no_dynamo_compiler(bw)
+        if self.use_inductor:  # Inductor re-inplaces custom ops itself
+            fw, bw, inf = (wants_functional_graphs(c) for c in (fw, bw, inf))
         return AOTConfig(
             fw_compiler=fw,
-            bw_compiler=_no_dynamo_compiler(bw),
+            bw_compiler=bw,
             inference_compiler=inf,
             partition_fn=partition,
             decompositions=dict(decomps),

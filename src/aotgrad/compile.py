@@ -2,6 +2,8 @@
 
 The forward (or inference) graph is compiled now; the backward graph on the first `.backward()`,
 because many compiled functions never run one and backward compilation can be as slow as forward.
+Before a graph goes to its compiler, functionalized custom-op calls are put back in place where
+that is safe (reinplace.py), unless the compiler does that itself.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .compilers import boxed
+from .compilers import boxed, takes_functional_graphs
 from .partition import clone_saved_inputs
-from .plan import Captured
+from .plan import Captured, CopyInto, MutatedInputValue, Plan
+from .reinplace import reinplace
 
 
 @dataclass
@@ -29,6 +32,7 @@ class CompiledForward:
     num_fw_outputs: int
     num_saved_tensors: int = 0
     num_saved_other: int = 0
+    written_in_place: frozenset[int] = frozenset()  # primals whose new value the graph already wrote
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
     _backward: Callable | None = field(default=None, repr=False)
@@ -39,6 +43,8 @@ class CompiledForward:
         if self._backward is None:
             with self._lock:
                 if self._backward is None:
+                    if not takes_functional_graphs(self.bw_compiler):
+                        reinplace(self.bw_module)
                     self._backward = boxed(self.bw_compiler(self.bw_module, list(example_inputs)))
         return self._backward
 
@@ -47,7 +53,10 @@ def compile_inference(captured: Captured, compiler: Callable, example_primals: S
     gm = captured.graph
     if isinstance(gm, _LazyGraphModule):  # compilers get a module whose forward is the real code
         gm = torch.fx.GraphModule(gm, gm.graph)
-    return CompiledForward(boxed(compiler(gm, list(example_primals))), gm, captured.plan.num_fw_outputs)
+    in_place = _reinplace_for(compiler, gm, captured.plan)
+    return CompiledForward(
+        boxed(compiler(gm, list(example_primals))), gm, captured.plan.num_fw_outputs, written_in_place=in_place
+    )
 
 
 def compile_training(
@@ -69,6 +78,7 @@ def compile_training(
     clone_saved_inputs(fw_module, plan.num_fw_outputs, mutated_after_forward)
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
+    in_place = _reinplace_for(fw_compiler, fw_module, plan)
     forward = boxed(fw_compiler(fw_module, list(example_primals)))
     return CompiledForward(
         forward,
@@ -76,6 +86,44 @@ def compile_training(
         plan.num_fw_outputs,
         num_saved_tensors=num_tensors,
         num_saved_other=len(saved) - num_tensors,
+        written_in_place=in_place,
         bw_module=bw_module,
         bw_compiler=bw_compiler,
+    )
+
+
+
+def writable_inputs(plan: Plan, gm: torch.fx.GraphModule) -> list[int]:
+    """Graph inputs a compiled graph may mutate in place: those whose only epilogue action is a copy
+    of their new value that autograd does not record (a plain data mutation of a tensor that does
+    not require grad). The run time then skips that copy (`CompiledForward.written_in_place`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    actions: dict[int, list] = {}
+    for a in plan.epilogue:
+        actions.setdefault(getattr(a, "primal", None), []).append(a)
+    out = []
+    for k, acts in actions.items():
+        if k is None or k >= len(placeholders) or len(acts) != 1:
+            continue
+        (a,) = acts
+        val = placeholders[k].meta.get("val")
+        if isinstance(a, CopyInto) and not a.grad and isinstance(val, torch.Tensor) and not val.requires_grad:
+            out.append(k)
+    return out
+
+
+def _reinplace_for(compiler: Callable, gm: torch.fx.GraphModule, plan: Plan) -> frozenset[int]:
+    """Re-inplace the graph for `compiler` (unless it does so itself); return the primals whose new
+    value the graph now leaves in the primal itself, so the epilogue's copy would be a no-op."""
+    if takes_functional_graphs(compiler):
+        return frozenset()
+    writable = writable_inputs(plan, gm)
+    if not reinplace(gm, writable):
+        return frozenset()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = list(gm.graph.output_node().args[0])
+    return frozenset(
+        o.kind.primal
+        for o, node in zip(plan.fw_outputs, outs)
+        if isinstance(o.kind, MutatedInputValue) and o.kind.primal in writable and node is placeholders[o.kind.primal]
     )

@@ -37,6 +37,22 @@ def boxed(compiled: Callable) -> Callable:
     return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
 
 
+def wants_functional_graphs(compiler: Callable) -> Callable:
+    """Mark `compiler` as one that re-inplaces functionalized custom-op calls itself (Inductor does):
+    aotgrad then hands it graphs with their `auto_functionalized_v2` nodes as traced, instead of
+    running its own re-inplacing pass (reinplace.py) first."""
+
+    def compiler_of_functional_graphs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        return compiler(gm, example_inputs)
+
+    compiler_of_functional_graphs.aotgrad_functional_graphs = True
+    return compiler_of_functional_graphs
+
+
+def takes_functional_graphs(compiler: Callable) -> bool:
+    return getattr(compiler, "aotgrad_functional_graphs", False)
+
+
 def nop(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
     """The identity compiler: run the FX graph's generated Python as is.
 

@@ -165,7 +165,7 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
         for s in plan.out_sources:
             if isinstance(s, GraphOutput):  # as in make_autograd_function: no view of a hidden tensor
                 src.emit(f"r{s.index} = {nv}(r{s.index}, {prim})")
-    _emit_epilogue(src, plan)
+    _emit_epilogue(src, plan, compiled.written_in_place)
     names: list[str] = []
     for i, s in enumerate(plan.out_sources):
         names.append(_emit_output(src, i, s, names))
@@ -173,8 +173,10 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
     return src.build("run", "def run(leaves):")
 
 
-def _emit_epilogue(src: _Source, plan: Plan) -> None:
+def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int]) -> None:
     for a in plan.epilogue:
+        if isinstance(a, CopyInto) and a.primal in written_in_place:
+            continue  # the compiled graph mutated the input itself (reinplace.py)
         if isinstance(a, (Restride, RestrideLeaf)):
             target = f"p{a.primal}" if isinstance(a, Restride) else f"l{a.leaf}"
             _emit(src, f"{target}.as_strided_({a.size}, {a.stride}, {a.offset})", a.no_grad)
