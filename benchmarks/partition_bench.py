@@ -16,8 +16,11 @@ are free); "mm/conv" are the matmul, convolution and attention ops among them. E
 checked against eager (outputs, parameter/input gradients, buffers) after one training step.
 
 Then a memory-budget sweep of aotgrad's min-cut (1.0, 0.75, 0.5, 0.25, 0.0): saved bytes, where they
-land between budget 0 and budget 1 ("achieved"; the request is the budget itself), recomputed
-mm/conv. Checks (printed PASS/FAIL):
+land between budget 0 and budget 1 ("achieved"; the request is the budget itself: B0 + budget x
+(B1 - B0) bytes), recomputed mm/conv, and how many points land within 5% of the range from the
+request. For a point that does not, the nearest plans the partitioner found around the request are
+printed, next to what an exhaustive search (every subset of the expensive nodes unlocked, with or
+without one cheap value saved on top) finds. Checks (printed PASS/FAIL):
 
   1. aotgrad min-cut saved bytes <= upstream min-cut on every model, with no more recomputed mm/conv;
   2. the sweep is monotone: saved bytes never grow as the budget falls.

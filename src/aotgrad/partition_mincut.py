@@ -45,24 +45,35 @@ The memory budget
 `memory_budget` (0..1) picks a point between two solutions: 1 is the min-cut above (B1 saved
 bytes); 0 is the min-cut where every legal op may be recomputed, expensive ones included (B0 bytes:
 in practice the graph inputs the backward needs plus random-op outputs; a smaller set of values if
-one determines the backward). The requested point is `B0 + budget * (B1 - B0)` bytes; in between
-we choose what expensive work to recompute with a knapsack:
+one determines the backward). The *requested point* for a budget b is
 
-- items: the expensive forward nodes (each may be "unlocked" for recomputation);
-- cost of an item: the FLOPs of recomputing it (0 for a node the forward does not compute anyway);
-- value of an item: the bytes it frees - every value saved at budget 1 is credited to the expensive
-  nodes it can be recomputed from through cheap ops (shared evenly between them);
-- for each point of a fixed grid (5%, 10%, ... 95% of the range) a min-cost item set reaching the
-  bytes to free is found by dynamic programming (values in 1/400ths of the range), and the exact
-  min-cut with those items unlocked gives its real saved bytes and real recompute FLOPs.
+    target(b) = B0 + b * (B1 - B0) bytes        (saved bytes as the forward's graph outputs count them)
 
-These candidates (plus both ends) do not depend on the budget asked for. We keep their Pareto
-frontier (fewer bytes only for more FLOPs) and take the frontier point with the most bytes at or
-below the requested point - the least recomputation that fits. If that point is more than 5% of
-(B1 - B0) below the request while the next frontier point is within 5% above it, that one is taken.
-As the budget falls the chosen point can only move down the frontier, so saved bytes are monotone.
-Landing within 5% needs the graph to offer such a point: where a few large matmul/conv outputs make
-up the whole range (an MLP with three hidden layers: steps of 1/3), the request is met from below.
+and a plan is *on target* when its saved bytes are within 5% of (B1 - B0) of it. Budget 1 and 0 are
+the two ends exactly. In between we choose from a menu of exact min-cuts, each one a set of
+expensive nodes "unlocked" for recomputation plus, optionally, cheap values "forced" to be saved:
+
+- knapsack plans: for each point of a fixed grid (5%, 10%, ... 95% of the range), a min-FLOPs set of
+  expensive nodes whose estimated freed bytes reach it (dynamic programming; every value saved at
+  budget 1 is credited to the expensive nodes it is recomputable from through cheap ops);
+- fix-ups, where no plan is within 2% of a grid point: from the nearest plan above it, unlock one
+  more expensive node; from the nearest plan below it, lock one again, or save one more cheap value
+  of about the missing size that the plan recomputes (an intermediate of a chain instead of its
+  matmul output: finer steps than whole matmuls); two rounds.
+
+Of plans within 0.5% of the range of each other only the cheapest (FLOPs) is offered. The menu does
+not depend on the budget asked for. A request takes the offered plan with the fewest recompute FLOPs
+among those within 2% of the range of `target(b)`; if there is none, the nearest plan (fewest FLOPs
+on a tie). That rank, (distance beyond 2%, FLOPs, bytes), is convex in (bytes - target), so as the
+budget falls the saved bytes never grow. Since every request is within 2.5% of a grid point, a
+request is missed by more than 5% only where the menu has nothing closer - in practice where the
+range is made of a few indivisible tensors (an MLP whose hidden activations all have one size moves
+in steps of 1/3; a CNN whose activations are multiples of 1/7 of the range cannot reach 1/2). Then
+the nearest plan is taken, and `PartitionInfo.nearest_plans` gives the explored plans around the
+request. Matmuls, convolutions and attention are recomputed only when the budget asks for fewer
+bytes than cheap recomputation reaches (B1 is taken for any request within 2% of it); landing near
+the request may take a plan that recomputes more for more bytes than another one
+(`PartitionInfo.dominated`).
 
 FLOPs estimates: `2*M*N*K` for matmuls (batch included), `2 * out_elems * in_channels/groups *
 kernel_elems` for convolutions, `2*B*H*L*S*(E+Ev)` for attention, and the number of elements read
