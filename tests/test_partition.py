@@ -306,6 +306,79 @@ def test_budget_sweep_monotone_and_on_target():
     assert [i.recomputed_matmuls for i in infos] == sorted(i.recomputed_matmuls for i in infos)
 
 
+def _ln_mlp(x, *params):
+    """Linear + GELU + LayerNorm blocks: every hidden activation has the same size, so the budget
+    range comes in whole steps and only a cheap value saved on top lands between them."""
+    for w, b in zip(params[0::2], params[1::2]):
+        x = F.layer_norm(F.gelu(F.linear(x, w, b)), (w.shape[0],))
+    return x
+
+
+def _ln_mlp_make(layers=4, width=32):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 16, generator=g)
+        params, d = [], 16
+        for _ in range(layers):
+            params += [(torch.randn(width, d, generator=g) / 4).requires_grad_(True),
+                       torch.randn(width, generator=g).requires_grad_(True)]
+            d = width
+        args = (x, *params)
+        return args, args
+
+    return make
+
+
+def _run_ln_mlp(budget):
+    args, _ = _ln_mlp_make()()
+    return compile_and_run(_ln_mlp, mincut_partitioner(budget), *args).info
+
+
+def test_budget_sweep_in_whole_steps_is_monotone_and_reports_the_nearest_plan():
+    budgets = [round(1 - i / 20, 2) for i in range(21)]
+    infos = [_run_ln_mlp(b) for b in budgets]
+    saved = [i.saved_bytes for i in infos]
+    assert saved == sorted(saved, reverse=True), saved
+    assert saved[0] == infos[0].bytes_at_budget_1 and saved[-1] == infos[0].bytes_at_budget_0
+    for info in infos[1:-1]:
+        lo, hi = info.nearest_plans
+        assert lo is None or lo <= info.requested_bytes
+        assert hi is None or hi > info.requested_bytes
+        if not info.on_target:  # nothing explored in between: the nearer of the two is taken
+            assert info.saved_bytes in (lo, hi)
+            nearer = min((b for b in (lo, hi) if b is not None), key=lambda b: abs(b - info.requested_bytes))
+            assert abs(info.saved_bytes - info.requested_bytes) == abs(nearer - info.requested_bytes)
+    assert sum(i.on_target for i in infos) > len(infos) // 2
+
+
+def test_budget_saves_a_cheap_intermediate_to_land_between_whole_steps():
+    # Unlocking one matmul moves 1/3 of the range; 0.75 is reached by also saving a cheap 1/3-size value.
+    info = _run_ln_mlp(0.75)
+    assert info.on_target and info.forced, (info.achieved_fraction, info.forced)
+    pf = mincut_partitioner(0.75)
+    check_against_eager(_ln_mlp, _ln_mlp_make(), compiled=aot_function(_ln_mlp, nop, partition_fn=pf))
+
+
+def test_budget_near_one_recomputes_no_matmul():
+    info = _run_ln_mlp(0.99)
+    assert info.recomputed_matmuls == 0 and info.saved_bytes == info.bytes_at_budget_1
+
+
+def test_budget_pick_is_monotone_for_any_menu():
+    from aotgrad.partition_mincut import _Candidate, _Menu
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        menu = object.__new__(_Menu)
+        sizes = torch.randint(0, 1000, (12,), generator=g).tolist()
+        flops = torch.randint(0, 50, (12,), generator=g).tolist()
+        plans = [_Candidate((), [], b, f) for b, f in zip(sizes + [0, 1000], flops + [99, 0])]
+        menu.top, menu.bottom, menu.span, menu._offered = plans[-1], plans[-2], 1000, None
+        menu.plans = {i: c for i, c in enumerate(plans)}
+        picked = [menu.pick(t).bytes for t in range(1000, -1, -5)]
+        assert picked == sorted(picked, reverse=True)
+
+
 def test_budget_validation():
     with pytest.raises(ValueError):
         mincut_partitioner(1.5)

@@ -45,24 +45,35 @@ The memory budget
 `memory_budget` (0..1) picks a point between two solutions: 1 is the min-cut above (B1 saved
 bytes); 0 is the min-cut where every legal op may be recomputed, expensive ones included (B0 bytes:
 in practice the graph inputs the backward needs plus random-op outputs; a smaller set of values if
-one determines the backward). The requested point is `B0 + budget * (B1 - B0)` bytes; in between
-we choose what expensive work to recompute with a knapsack:
+one determines the backward). The *requested point* for a budget b is
 
-- items: the expensive forward nodes (each may be "unlocked" for recomputation);
-- cost of an item: the FLOPs of recomputing it (0 for a node the forward does not compute anyway);
-- value of an item: the bytes it frees - every value saved at budget 1 is credited to the expensive
-  nodes it can be recomputed from through cheap ops (shared evenly between them);
-- for each point of a fixed grid (5%, 10%, ... 95% of the range) a min-cost item set reaching the
-  bytes to free is found by dynamic programming (values in 1/400ths of the range), and the exact
-  min-cut with those items unlocked gives its real saved bytes and real recompute FLOPs.
+    target(b) = B0 + b * (B1 - B0) bytes        (saved bytes as the forward's graph outputs count them)
 
-These candidates (plus both ends) do not depend on the budget asked for. We keep their Pareto
-frontier (fewer bytes only for more FLOPs) and take the frontier point with the most bytes at or
-below the requested point - the least recomputation that fits. If that point is more than 5% of
-(B1 - B0) below the request while the next frontier point is within 5% above it, that one is taken.
-As the budget falls the chosen point can only move down the frontier, so saved bytes are monotone.
-Landing within 5% needs the graph to offer such a point: where a few large matmul/conv outputs make
-up the whole range (an MLP with three hidden layers: steps of 1/3), the request is met from below.
+and a plan is *on target* when its saved bytes are within 5% of (B1 - B0) of it. Budget 1 and 0 are
+the two ends exactly. In between we choose from a menu of exact min-cuts, each one a set of
+expensive nodes "unlocked" for recomputation plus, optionally, cheap values "forced" to be saved:
+
+- knapsack plans: for each point of a fixed grid (5%, 10%, ... 95% of the range), a min-FLOPs set of
+  expensive nodes whose estimated freed bytes reach it (dynamic programming; every value saved at
+  budget 1 is credited to the expensive nodes it is recomputable from through cheap ops);
+- fix-ups, where no plan is within 2% of a grid point: from the nearest plan above it, unlock one
+  more expensive node; from the nearest plan below it, lock one again, or save one more cheap value
+  of about the missing size that the plan recomputes (an intermediate of a chain instead of its
+  matmul output: finer steps than whole matmuls); two rounds.
+
+Of plans within 0.5% of the range of each other only the cheapest (FLOPs) is offered. The menu does
+not depend on the budget asked for. A request takes the offered plan with the fewest recompute FLOPs
+among those within 2% of the range of `target(b)`; if there is none, the nearest plan (fewest FLOPs
+on a tie). That rank, (distance beyond 2%, FLOPs, bytes), is convex in (bytes - target), so as the
+budget falls the saved bytes never grow. Since every request is within 2.5% of a grid point, a
+request is missed by more than 5% only where the menu has nothing closer - in practice where the
+range is made of a few indivisible tensors (an MLP whose hidden activations all have one size moves
+in steps of 1/3; a CNN whose activations are multiples of 1/7 of the range cannot reach 1/2). Then
+the nearest plan is taken, and `PartitionInfo.nearest_plans` gives the explored plans around the
+request. Matmuls, convolutions and attention are recomputed only when the budget asks for fewer
+bytes than cheap recomputation reaches (B1 is taken for any request within 2% of it); landing near
+the request may take a plan that recomputes more for more bytes than another one
+(`PartitionInfo.dominated`).
 
 FLOPs estimates: `2*M*N*K` for matmuls (batch included), `2 * out_elems * in_channels/groups *
 kernel_elems` for convolutions, `2*B*H*L*S*(E+Ev)` for attention, and the number of elements read
@@ -464,7 +475,12 @@ class PartitionInfo:
     bytes_at_budget_0: int | None = None
     requested_bytes: int | None = None
     unlocked: list[str] = field(default_factory=list)  # expensive nodes the budget lets us recompute
+    forced: list[str] = field(default_factory=list)  # cheap values saved to land nearer the request
     cuts_solved: int = 0
+    # The saved bytes of the explored plans nearest the request, at or below it and above it: where
+    # the chosen plan misses the request by more than 5%, no plan was found in between.
+    nearest_plans: tuple[int | None, int | None] = (None, None)
+    dominated: bool = False  # another explored plan saves fewer bytes for no more FLOPs
 
     @property
     def achieved_fraction(self) -> float | None:
@@ -626,14 +642,15 @@ class _Joint:
                 g.add_edge(2 * i + 1, _SINK)
         self.network = g
 
-    def solve(self, unlocked: Iterable[Node] = (), tie: str = "sink") -> list[Node]:
-        """Saved nodes of the min cut where the knapsack items in `unlocked` may be recomputed."""
+    def solve(self, unlocked: Iterable[Node] = (), tie: str = "sink", forced: Iterable[Node] = ()) -> list[Node]:
+        """Saved nodes of the min cut where the knapsack items in `unlocked` may be recomputed and
+        the nodes in `forced` may not (they are saved if the backward needs them)."""
         if not self.required:
             return []
         g = self.network.copy()
-        free = set(unlocked)
+        free, kept = set(unlocked), set(forced)
         for n in self.region:
-            if n in self.pinned or (n in self.item_set and n not in free):
+            if n in self.pinned or n in kept or (n in self.item_set and n not in free):
                 g.add_edge(_SOURCE, 2 * self.index[n])
         if _SOURCE not in g:
             g.add_node(_SOURCE)
@@ -654,6 +671,17 @@ class _Joint:
 
     def saved_bytes(self, saved: Sequence[Node]) -> int:
         return sum(self.bytes[n] for n in saved)
+
+    def forceable(self, n: Node) -> bool:
+        """May `n` be kept from recomputation (saved instead) by a fix-up move? Any value the cut
+        may save at its plain byte cost: not a view, not MUST_RECOMPUTE, not already pinned."""
+        return (
+            n not in self.pinned
+            and n not in self.item_set
+            and n not in self.soft_unsaveable
+            and self.cost.get(n) is not None
+            and self.bytes[n] > 0
+        )
 
 
 def _source_side(residual: nx.DiGraph, tie: str) -> set:
@@ -703,21 +731,30 @@ def _recomputed(j: _Joint, saved: list[Node]) -> list[Node]:
 
 @dataclass
 class _Candidate:
-    unlocked: tuple[Node, ...]
+    unlocked: tuple[Node, ...]  # knapsack items the backward may recompute
     saved: list[Node]
     bytes: int
-    flops: int
+    flops: int  # estimated FLOPs of everything the backward recomputes
+    forced: tuple[Node, ...] = ()  # cheap values saved although the cut would recompute them
+
+    @property
+    def key(self) -> tuple:
+        return (frozenset(self.unlocked), frozenset(self.forced))
 
 
-def _candidate(j: _Joint, unlocked: Iterable[Node], tie: str = "sink") -> _Candidate:
-    unlocked = tuple(unlocked)
-    saved = j.solve(unlocked, tie)
+def _candidate(j: _Joint, unlocked: Iterable[Node], tie: str = "sink", forced: Iterable[Node] = ()) -> _Candidate:
+    unlocked, forced = tuple(unlocked), tuple(forced)
+    saved = j.solve(unlocked, tie, forced)
     flops = sum(estimate_flops(n) for n in _recomputed(j, saved))
-    return _Candidate(unlocked, saved, j.saved_bytes(saved), flops)
+    return _Candidate(unlocked, saved, j.saved_bytes(saved), flops, forced)
 
 
-_GRID = tuple(i / 20 for i in range(1, 20))  # the knapsack is solved for these fractions of the range
+_GRID = tuple(i / 20 for i in range(1, 20))  # the menu aims at these fractions of the range
 _BUCKETS = 400
+_MOVES = 4  # fix-up moves tried per kind and round, the most promising first
+_ROUNDS = 2
+_SNAP = 0.02  # plans this close to the request (fraction of the range) count as on it
+_CLUSTER = 0.005  # of plans this close to each other (fraction of the range) only the cheapest is offered
 
 
 def _knapsack(values: list[int], costs: list[int], needs: Iterable[int], unit: float) -> dict[int, tuple[int, ...]]:
@@ -775,46 +812,133 @@ def _item_values(j: _Joint, saved: list[Node]) -> dict[Node, float]:
     return credit
 
 
+class _Menu:
+    """The plans a budget can pick from: exact min-cuts, keyed by (unlocked items, forced saves).
+
+    Built from the two ends and the grid alone - never from the budget asked for - so that picking
+    from it (`pick`) is monotone in the budget."""
+
+    def __init__(self, j: _Joint, top: _Candidate, bottom: _Candidate):
+        self.j, self.top, self.bottom = j, top, bottom
+        self.span = max(top.bytes - bottom.bytes, 0)
+        self.plans: dict[tuple, _Candidate] = {top.key: top, bottom.key: bottom}
+        self.credit = _item_values(j, top.saved)
+        self._offered: list[_Candidate] | None = None
+
+    def add(self, unlocked: Iterable[Node], forced: Iterable[Node] = ()) -> None:
+        unlocked, forced = tuple(unlocked), tuple(forced)
+        key = (frozenset(unlocked), frozenset(forced))
+        if key not in self.plans:
+            self.plans[key] = _candidate(self.j, unlocked, forced=forced)
+            self._offered = None
+
+    def offered(self) -> list[_Candidate]:
+        """The plans a budget may pick: all but those with a cheaper plan (fewer FLOPs, or as many
+        and fewer bytes) within `_CLUSTER` of the range of them - a few bytes nearer the request are
+        not worth more recomputation. The ends are always offered."""
+        if self._offered is None:
+            near = _CLUSTER * self.span
+            plans = sorted(self.plans.values(), key=lambda c: (c.flops, c.bytes, len(c.forced)))
+            kept: list[_Candidate] = []
+            for c in plans:
+                if c in (self.top, self.bottom) or all(abs(c.bytes - d.bytes) > near for d in kept):
+                    kept.append(c)
+            self._offered = kept
+        return self._offered
+
+    def bytes_at(self, fraction: float) -> float:
+        return self.bottom.bytes + fraction * self.span
+
+    def nearest(self, goal: float) -> tuple[_Candidate | None, _Candidate | None]:
+        """The plans with the most bytes at or below `goal` and the fewest above it (fewest FLOPs
+        among equal bytes)."""
+        below = [c for c in self.offered() if c.bytes <= goal]
+        above = [c for c in self.offered() if c.bytes > goal]
+        lo = max(below, key=lambda c: (c.bytes, -c.flops), default=None)
+        hi = min(above, key=lambda c: (c.bytes, c.flops), default=None)
+        return lo, hi
+
+    # -- building ------------------------------------------------------------------------------
+
+    def fill(self) -> None:
+        """Knapsack plans for every grid point, then fix-up moves where a grid point is missed."""
+        items = list(self.j.items)
+        values = [int(self.credit.get(n, 0)) for n in items]
+        costs = [self.j.flops[n] if n in self.j.fw_needed else 0 for n in items]
+        needs = {g: int((1.0 - g) * self.span) for g in _GRID}
+        picks = _knapsack(values, costs, set(needs.values()), unit=max(self.span / _BUCKETS, 1.0))
+        for g in _GRID:
+            self.add(items[i] for i in picks[needs[g]])
+        slack = _SNAP * self.span  # a plan this close to every grid point meets any request within 5%
+        for g in _GRID:
+            goal = self.bytes_at(g)
+            for _ in range(_ROUNDS):
+                lo, hi = self.nearest(goal)
+                if min(goal - lo.bytes if lo else math.inf, hi.bytes - goal if hi else math.inf) <= slack:
+                    break
+                self._fix_up(goal, lo, hi)
+
+    def _fix_up(self, goal: float, lo: _Candidate | None, hi: _Candidate | None) -> None:
+        """Plans between `lo` and `hi` (the nearest plans around `goal`), one step from either:
+        unlock one more item in `hi`, lock one item of `lo` again, or save one more cheap value in
+        `lo` (an intermediate the backward would otherwise recompute: finer than whole items)."""
+        j = self.j
+        if hi is not None:
+            gap = hi.bytes - goal
+            extra = [n for n in j.items if n not in hi.unlocked]
+            for n in sorted(extra, key=lambda n: abs(self.credit.get(n, 0) - gap))[:_MOVES]:
+                self.add((*hi.unlocked, n), hi.forced)
+        if lo is not None:
+            gap = goal - lo.bytes
+            for n in sorted(lo.unlocked, key=lambda n: abs(self.credit.get(n, 0) - gap))[:_MOVES]:
+                self.add((u for u in lo.unlocked if u is not n), lo.forced)
+            held = set(lo.saved) | set(lo.forced)
+            # Values of about the gap's size only: saving small ones creeps by a few bytes per cut.
+            cheap = [n for n in _recomputed(j, lo.saved) if n not in held and j.forceable(n) and 2 * j.bytes[n] >= gap]
+            for n in sorted(cheap, key=lambda n: (abs(j.bytes[n] - gap), j.index[n]))[:_MOVES]:
+                self.add(lo.unlocked, (*lo.forced, n))
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    def pick(self, target: float) -> _Candidate:
+        """The plan for a request of `target` bytes: the fewest FLOPs among plans within half the
+        tolerance of it (2.5% of the range: any of them is as good as on the point); if there are
+        none, the nearest plan (fewest FLOPs on a tie).
+
+        That is the minimum of (distance beyond the band, FLOPs, bytes). The distance beyond the
+        band is a convex function of (bytes - target), so as the target falls a plan with more
+        bytes can never overtake one with fewer: the saved bytes are monotone in the budget."""
+        band = _SNAP * self.span
+
+        def rank(c: _Candidate) -> tuple:
+            return (max(0.0, abs(c.bytes - target) - band), c.flops, c.bytes, len(c.forced))
+
+        return min(self.offered(), key=rank)
+
+
 def _choose(j: _Joint, budget: float | None) -> tuple[list[Node], dict]:
     top = _candidate(j, ())
     extra: dict[str, Any] = {"cuts_solved": 1}
     if budget is None:
         return top.saved, extra
     bottom = _candidate(j, j.items, tie="source") if j.items else top
-    span = max(top.bytes - bottom.bytes, 0)
-    target = bottom.bytes + budget * span
+    menu = _Menu(j, top, bottom)
+    target = menu.bytes_at(budget)
     extra.update(bytes_at_budget_1=top.bytes, bytes_at_budget_0=bottom.bytes, requested_bytes=int(round(target)))
-    if budget >= 1.0 or budget <= 0.0 or span == 0:
+    if budget >= 1.0 or budget <= 0.0 or menu.span == 0:
         chosen = bottom if budget <= 0.0 else top
         extra.update(unlocked=[n.name for n in chosen.unlocked], cuts_solved=2 if j.items else 1)
         return chosen.saved, extra
-    # The menu: min-cuts for knapsack choices aimed at a fixed grid of points (independent of the
-    # budget asked for, so that the answer is monotone in it), plus both ends.
-    items = list(j.items)
-    credit = _item_values(j, top.saved)
-    values = [int(credit.get(n, 0)) for n in items]
-    costs = [j.flops[n] if n in j.fw_needed else 0 for n in items]
-    needs = {g: int((1.0 - g) * span) for g in _GRID}
-    picks = _knapsack(values, costs, set(needs.values()), unit=max(span / _BUCKETS, 1.0))
-    menu = {(): top, tuple(items): bottom}
-    for g in _GRID:
-        key = tuple(items[i] for i in picks[needs[g]])
-        if key not in menu:
-            menu[key] = _candidate(j, key)
-    # Pareto frontier: bytes up, FLOPs strictly down.
-    frontier: list[_Candidate] = []
-    best = math.inf
-    for c in sorted(menu.values(), key=lambda c: (c.bytes, c.flops)):
-        if c.flops < best:
-            frontier.append(c)
-            best = c.flops
-    fits = [c for c in frontier if c.bytes <= target]
-    chosen = fits[-1] if fits else frontier[0]
-    tol = BUDGET_TOLERANCE * span
-    above = [c for c in frontier if c.bytes > target]
-    if above and target - chosen.bytes > tol and above[0].bytes - target <= tol:
-        chosen = above[0]
-    extra.update(unlocked=[n.name for n in chosen.unlocked], cuts_solved=len(menu))
+    menu.fill()
+    chosen = menu.pick(target)
+    lo, hi = menu.nearest(target)
+    extra.update(
+        unlocked=[n.name for n in chosen.unlocked],
+        forced=[n.name for n in chosen.forced],
+        cuts_solved=len(menu.plans),
+        nearest_plans=(None if lo is None else lo.bytes, None if hi is None else hi.bytes),
+        dominated=any(c.bytes < chosen.bytes and c.flops <= chosen.flops for c in menu.offered()),
+    )
     return chosen.saved, extra
 
 
