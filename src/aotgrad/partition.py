@@ -161,6 +161,38 @@ def _view_root(node):
     return node
 
 
+def reads_of_mutated_in_graph(graph: Graph) -> set[Node]:
+    """Nodes that read a tensor some op in the graph mutates in place (`fsdp.copy_`,
+    `inductor.resize_storage_bytes_`, a backward mutation's `copy_`), through views or not.
+
+    Their value depends on when they run relative to the mutation, so a partitioner must save
+    them, never recompute them in the backward: by then the tensor may hold other data, or none."""
+    mutated: set[Node] = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, spec in zip(n.args, schema.arguments):
+            if spec.alias_info is not None and spec.alias_info.is_write and isinstance(arg, Node):
+                mutated.add(_view_root(arg))
+    readers: set[Node] = set()
+    stack = list(mutated)
+    seen: set[Node] = set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for u in t.users:
+            if u.op != "call_function":
+                continue
+            if _view_root(u) is not u:  # a view: its readers read the mutated storage too
+                stack.append(u)
+            elif not getattr(getattr(u.target, "_schema", None), "is_mutable", False):
+                readers.add(u)
+    return readers
+
+
 def clone_saved_inputs(fw_module: GraphModule, num_fwd_outputs: int, primal_indices: set[int]) -> None:
     """The epilogue mutates some graph inputs after the forward; a backward that reads one of them
     (or a view of one) must see the value from before the mutation, so save a clone instead."""

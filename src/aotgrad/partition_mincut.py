@@ -117,7 +117,15 @@ from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .capture import BACKWARD_MUTATION
-from .partition import _ancestors, _descendants, _flat_outputs, _order_saved, extract_graph, side_effects
+from .partition import (
+    _ancestors,
+    _descendants,
+    _flat_outputs,
+    _order_saved,
+    extract_graph,
+    reads_of_mutated_in_graph,
+    side_effects,
+)
 
 __all__ = [
     "POLICIES",
@@ -534,6 +542,9 @@ class _Joint:
         self.region = [n for n in graph.nodes if n in region]
         self.index = {n: i for i, n in enumerate(self.region)}
         self.cls = {n: op_class(n) for n in self.region}
+        for n in reads_of_mutated_in_graph(graph):
+            if n in self.cls and self.cls[n] not in ("input", "view"):
+                self.cls[n] = "fixed"  # its value depends on when it runs: save it
         self.bytes = {n: tensor_nbytes(_val(n)) for n in self.region}
         self._decide(policy)
         self._costs()
