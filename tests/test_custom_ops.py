@@ -457,3 +457,36 @@ def test_resize_and_fsdp_copy_stay_in_graph_in_order():
         assert [t for t in fw if t in (resize, copy_)] == [resize, copy_, resize]
         bw = [n.target for n in rec.graphs[1].graph.nodes if n.op == "call_function"]
         assert resize not in bw and copy_ not in bw
+
+
+def test_mutated_argument_is_a_view_of_an_input():
+    def f(x, y):
+        list_add(x[0], [y[0], y.t()[1]])  # a row, and a strided column
+        return y * 2
+
+    check_against_eager(f, inputs((2, 3), (3, 3)))
+    check_against_eager(f, inputs(("grad", (2, 3)), ("nonleaf", (3, 3))))
+
+    def g(x, y):
+        add_one_out(x, y.view(-1)[2:5])
+        return y.sum()
+
+    check_against_eager(g, inputs(3, (2, 4)))
+
+
+def test_input_mutation_through_the_inductor_backend():
+    def f(x, y, z):
+        list_add(x, [y, z[1]])
+        return (y * 2).sum() + z.sum()
+
+    def make():
+        torch.manual_seed(0)
+        return torch.randn(3), torch.randn(3), torch.randn(2, 3)
+
+    eager_args = make()
+    ref = f(*eager_args)
+    args = make()
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="aotgrad")(*args)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(args, eager_args)
