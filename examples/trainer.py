@@ -18,7 +18,8 @@ Losses "track" when aotgrad's loss is within --tolerance (1e-3) of eager's at ea
 eager's: compiled kernels reassociate float32 sums, and training amplifies those last-bit differences
 over hundreds of steps (upstream Inductor drifts the same way; its numbers are printed for scale).
 Compile times are measured after an untimed warm-up compile per backend (one-time process costs);
---cold empties Inductor's caches so they are cold compiles.
+Each compiled variant starts from an empty Inductor cache (a fresh cache directory, caches off), so
+the second variant does not reuse kernels the first compiled; --warm-caches keeps them.
 
 Saved activation bytes are counted the same way for all three: `saved_tensors_hooks` during one
 forward, counting each distinct storage once and leaving out parameters and the input batch (eager:
@@ -28,6 +29,7 @@ every tensor autograd nodes save; compiled: what the compiled forward hands its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import os
@@ -318,8 +320,9 @@ def parser(description: str, *, steps: int, batch: int, seq: int, lr: float) -> 
     p.add_argument("--early-steps", type=int, default=50)
     p.add_argument("--final-tolerance", type=float, default=0.05,
                    help="relative gap allowed between the mean losses of the last 10%% of steps (default 0.05)")
-    p.add_argument("--cold", action="store_true",
-                   help="disable Inductor's on-disk caches so compile times are cold")
+    p.add_argument("--warm-caches", dest="cold", action="store_false",
+                   help="keep Inductor's caches between variants (default: each compiled variant starts "
+                        "from an empty cache, so neither reuses kernels the other compiled)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curves (needs matplotlib)")
     return p
 
@@ -337,6 +340,14 @@ def warm_up(backends: list[str]) -> None:
         w = torch.randn(4, 4, requires_grad=True)
         torch.compile(tiny, backend=_backend_for(b))(torch.randn(2, 4), w).backward()
     torch._dynamo.reset()
+
+
+def _cache_for(cold: bool):
+    if not cold:
+        return contextlib.nullcontext()
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache()
 
 
 def main_with(args, title: str, make_model: Callable[[], nn.Module], logits_of: Callable) -> int:
@@ -368,8 +379,9 @@ def main_with(args, title: str, make_model: Callable[[], nn.Module], logits_of: 
     for v in variants:
         torch._dynamo.reset()
         try:
-            results[v] = train(v, fresh, logits_of, batches, lr=args.lr, compile_optimizer=args.compile_optimizer,
-                               warmup=args.warmup)
+            with _cache_for(args.cold):
+                results[v] = train(v, fresh, logits_of, batches, lr=args.lr,
+                                   compile_optimizer=args.compile_optimizer, warmup=args.warmup)
         except Exception as e:  # report and go on with the other variants
             print(f"\n{v}: FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             results[v] = RunResult(v, error=f"{type(e).__name__}: {e}")
