@@ -490,3 +490,18 @@ def test_input_mutation_through_the_inductor_backend():
     out = torch.compile(f, backend="aotgrad")(*args)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(args, eager_args)
+
+
+def test_dynamic_shapes_through_the_backend():
+    def f(x, y):
+        buf = torch.zeros_like(x)
+        list_add(x, [buf, y[1:]])
+        return buf * 2 + y[:-1].sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aotgrad_eager", dynamic=True)
+    for n in (4, 6, 9):
+        x, y = torch.randn(n - 1), torch.randn(n)
+        y_eager = y.clone()
+        torch.testing.assert_close(compiled(x, y), f(x, y_eager))
+        torch.testing.assert_close(y, y_eager)
