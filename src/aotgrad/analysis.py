@@ -77,19 +77,26 @@ def meta_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
 
 
 class _ViewRecorder(TorchDispatchMode):
-    """Records the aten view ops a view function replays, as `ViewStep`s."""
+    """Records the aten view ops a view function replays, as `ViewStep`s.
+
+    A multi-output view op (unbind, split, chunk) hands back a list; the next op (or the end of the
+    replay) says which item the chain continues from, and that index is stored on the op's step, so
+    the run time replays the real multi-output op and autograd marks the result as eager does."""
 
     def __init__(self, start: torch.Tensor):
         super().__init__()
         self.current = start
         self.steps: list[ViewStep] = []
         self.ok = True
+        self.pending_multi: list | tuple | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not isinstance(out, (torch.Tensor, list, tuple)):  # metadata queries (device, sizes)
             return out
+        if args and self.pending_multi is not None:
+            self.continue_from(args[0])
         if not args or args[0] is not self.current or not _is_view_op(func):
             self.ok = False
             return out
@@ -98,15 +105,24 @@ class _ViewRecorder(TorchDispatchMode):
             isinstance(v, torch.Tensor) for v in kwargs.values()
         ):
             self.ok = False
-        step = ViewStep(func, tuple(rest), tuple(sorted(kwargs.items())))
+        self.steps.append(ViewStep(func, tuple(rest), tuple(sorted(kwargs.items()))))
         if isinstance(out, (list, tuple)):
-            self.steps.append(step)
             self.pending_multi = out
             self.current = None
         else:
-            self.steps.append(step)
             self.current = out
         return out
+
+    def continue_from(self, item: torch.Tensor) -> None:
+        """The chain goes on from `item` of the last multi-output op: remember which one."""
+        k = next((k for k, x in enumerate(self.pending_multi) if x is item), None)
+        self.pending_multi = None
+        if k is None:
+            self.ok = False
+            return
+        last = self.steps[-1]
+        self.steps[-1] = ViewStep(last.op, last.args, last.kwargs, item=k)
+        self.current = item
 
 
 def _is_view_op(func) -> bool:
@@ -135,22 +151,11 @@ def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[Vi
             result = out._view_func_unsafe(base_probe)
     except Exception:
         return None
+    if recorder.pending_multi is not None:
+        recorder.continue_from(result)
     if not recorder.ok:
         return None
-    steps = list(recorder.steps)
-    # A multi-output view (unbind, split...) hands back a list: find which element we are.
-    if getattr(recorder, "pending_multi", None) is not None:
-        items = recorder.pending_multi
-        for k, item in enumerate(items):
-            if item is result:
-                last = steps[-1]
-                steps[-1] = ViewStep(last.op, last.args, last.kwargs, item=k)
-                break
-        else:
-            return None
-        if len(steps) != len(recorder.steps):
-            return None
-    return tuple(steps), result
+    return tuple(recorder.steps), result
 
 
 def _autograd_path(t: torch.Tensor, base: torch.Tensor) -> tuple[list[str], bool]:

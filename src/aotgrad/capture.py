@@ -512,8 +512,10 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
     base_storage = {analysis.storage_id(b): k for k, b in enumerate(bases)}
     position_of: dict[int, int] = {}
     pending = []  # views of intermediates: resolved once plain outputs have graph indices
-    sources: list = [None] * len(flat_out)
-    for pos, o in enumerate(flat_out):
+    values = list(flat_out) + _detached_bases(flat_out, leaf_of, base_storage, bases)
+    sources: list = [None] * len(values)
+    for pos in _bases_first(values):
+        o = values[pos]
         if isinstance(o, torch.Tensor) and id(o) in position_of:
             sources[pos] = SameAs(position_of[id(o)])  # returned twice: the same object twice
             continue
@@ -536,9 +538,42 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
             o = src[1]
             plain_index[id(o)] = _add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o))
             sources[pos] = GraphOutput(plain_index[id(o)])
-    for pos in pending:
-        sources[pos] = _view_of_intermediate(fw, pos, flat_out[pos], plain_index, training)
+    chains = {pos: _intermediate_chain(pos, values[pos]) for pos in sorted(pending)}
+    # An intermediate base is differentiable only if some view rebuilt from it keeps an autograd path
+    # to it: else the compiled Function would connect every input to it, and eager's None grads would
+    # become zeros.
+    grad_bases = {id(values[pos]._base) for pos, c in chains.items() if c is not None and _keeps_grad_path(c)}
+    for pos, chain in chains.items():
+        base_grad = training and id(values[pos]._base) in grad_bases
+        sources[pos] = _view_of_intermediate(fw, pos, values[pos], chain, plain_index, training, base_grad)
     fw.out_sources = sources
+
+
+def _detached_bases(flat_out, leaf_of, base_storage, bases) -> list:
+    """`.detach()`ed aliases of inputs that the program did not return but whose views it did.
+
+    In eager such a view's `._base` is the detached tensor, shared by all its views; these become
+    hidden entries after the user outputs (plan.Plan.out_sources), rebuilt once at run time."""
+    hidden: list = []
+    returned = {id(o) for o in flat_out}
+    for o in flat_out:
+        b = getattr(o, "_base", None)
+        if not isinstance(b, FunctionalTensor) or id(b) in returned or any(b is h for h in hidden):
+            continue
+        k = base_storage.get(analysis.storage_id(b))
+        if k is None or b is bases[k] or b._base is not None or id(b) in leaf_of:
+            continue
+        if not b.requires_grad and b.dtype == bases[k].dtype:
+            hidden.append(b)
+    return hidden
+
+
+def _bases_first(values) -> list[int]:
+    """Positions in the order to classify them: values that are the `._base` of another value first,
+    so a view is rebuilt from its base whichever position the base was returned at."""
+    base_ids = {id(getattr(o, "_base", None)) for o in values}
+    firsts = [pos for pos, o in enumerate(values) if id(o) in base_ids]
+    return firsts + [pos for pos in range(len(values)) if pos not in firsts]
 
 
 def _is_graph_value(source) -> bool:
@@ -585,15 +620,33 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
     return AliasOfPrimal(k, chain)
 
 
-def _view_of_intermediate(fw, pos, o, plain_index, training):
+def _intermediate_chain(pos, o):
+    """How to rebuild `o`, a view of a tensor the graph computes, from that tensor (None: return `o`)."""
+    base = o._base
+    if o.requires_grad and not base.requires_grad:
+        raise UnsupportedAliasingError(
+            f"aotgrad: output {pos} is a view of an intermediate that the program detach_()es after taking "
+            "the view; the view keeps its autograd history in eager, a view rebuilt from the detached base "
+            "cannot. Return a .clone() of the view."
+        )
+    return analysis.view_chain(o, base, torch._functionalize_has_metadata_mutation(base.elem))
+
+
+def _keeps_grad_path(chain) -> bool:
+    """A view rebuilt with `chain` is connected to its base in autograd (no step under no_grad, no detach)."""
+    return chain.no_grad_steps == 0 and not chain.detach
+
+
+def _view_of_intermediate(fw, pos, o, chain, plain_index, training, base_grad):
     """A view of a tensor the graph computes: return the base from the graph, rebuild the view."""
     base = o._base
-    chain = analysis.view_chain(o, base, torch._functionalize_has_metadata_mutation(base.elem))
     if chain is None:
         return GraphOutput(_add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o)))
     idx = plain_index.get(id(base))
     if idx is None:
-        idx = _add_fw_value(fw, base, IntermediateBase(), training and analysis.is_differentiable(base))
+        differentiable = base_grad and analysis.is_differentiable(base)
+        kind = IntermediateBase(leaf_requires_grad=training and not differentiable and analysis.is_differentiable(base))
+        idx = _add_fw_value(fw, base, kind, differentiable)
         plain_index[id(base)] = idx
     return AliasOfGraphOutput(idx, chain)
 

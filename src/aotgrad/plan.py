@@ -287,7 +287,14 @@ class UserOutput:
 
 @dataclass(frozen=True)
 class IntermediateBase:
-    """A tensor the program did not return, but whose views it did."""
+    """A tensor the program did not return, but whose views it did.
+
+    `leaf_requires_grad`: no returned view reaches it in autograd (all were taken under `no_grad`),
+    so the graph returns it non-differentiable (else the inputs would get zero grads instead of
+    None); it still requires grad in eager, which views taken of it under `no_grad` inherit, so the
+    run time makes it a leaf that requires grad."""
+
+    leaf_requires_grad: bool = False
 
 
 FwOutputKind = MutatedInputValue | UserOutput | IntermediateBase
@@ -301,7 +308,12 @@ class FwOutput:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything the run time needs to know about one compiled signature."""
+    """Everything the run time needs to know about one compiled signature.
+
+    `out_sources` has one entry per leaf of the output pytree, then one per hidden base: a tensor the
+    program did not return (a `.detach()` of an input) whose views it returned, rebuilt once so
+    those views share one `._base` as in eager.
+    """
 
     layout: InputLayout
     mutations: tuple[InputMutation, ...]
