@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aotgrad import aot_function, nop
-from aotgrad.errors import UnsupportedAliasingError
+from aotgrad.errors import UnsupportedAliasingError, UnsupportedMutationError
 from aotgrad.testing import check_against_eager
 
 
@@ -152,3 +152,51 @@ def test_view_of_intermediate_detached_in_place_is_refused():
     f(x)  # fine in eager
     with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of an intermediate"):
         aot_function(f, nop)(x)
+
+
+# --- metadata mutations of aliased tensors, writes through views of overlapping views --------------
+
+
+@pytest.mark.parametrize(
+    "body, shape",
+    [
+        ("v = a.view((-1,)); a.t_(); v.add_(1.5); return v", (2, 4)),  # seed 11 program 172
+        ("v = a[:, :, 0]; v.unsqueeze_(1); a.add_(-1); return v - a", (3, 2, 2)),  # seed 11 program 974
+        ("v = a[::2]; v.squeeze_(0); a.add_(a); return v.tanh()", (2,)),  # seed 11 program 1621
+    ],
+    ids=["base_t_then_write_view", "view_unsqueeze_then_write_base", "view_squeeze_then_write_base"],
+)
+def test_metadata_mutation_of_aliased_tensor_is_refused_clearly(body, shape):
+    """Functionalization cannot follow views of a tensor whose metadata changed in place (the trace
+    crashed: invalid gradient shapes, impossible views); the refusal names the op and the input."""
+    f = _function(body)
+    x = _leaf(*shape)
+    f(x.clone())  # fine in eager
+    with pytest.raises(UnsupportedMutationError, match=r"calls aten\.\w+_\.\w+ on (a view of )?input 0"):
+        aot_function(f, nop)(x.clone())
+
+
+@pytest.mark.parametrize(
+    "body, make",
+    [
+        # seed 11 program 241: as_strided with a zero stride, then a write through one of its items
+        ("v = a.as_strided((1, 3), (2, 0), 0); v.unbind(1)[1].add_(1); return a", lambda: _leaf(2, 2, requires_grad=False)),
+        # seed 11 program 2339: the input itself is expanded; a select of it is written
+        ("a.select(0, 2).fill_(3); return a", lambda: _leaf(2, 2, 3, requires_grad=False).expand((3, 2, 2, 3))),
+    ],
+    ids=["view_of_zero_stride_as_strided", "select_of_expanded_input"],
+)
+def test_write_through_view_of_overlapping_view_is_refused(body, make):
+    """Eager writes the elements once; the functional graph scatters back into the overlapping view and
+    crashed at run time ("more than one element of the written-to tensor refers to a single memory
+    location")."""
+    f = _function(body)
+    f(make())  # fine in eager
+    with pytest.raises(UnsupportedMutationError, match="view of a view whose elements overlap"):
+        aot_function(f, nop)(make())
+
+
+def _function(body: str):
+    ns: dict = {"torch": torch}
+    exec("def f(a):\n    " + body.replace("; ", "\n    "), ns)
+    return ns["f"]

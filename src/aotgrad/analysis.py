@@ -97,7 +97,7 @@ class _ViewRecorder(TorchDispatchMode):
             return out
         if args and self.pending_multi is not None:
             self.continue_from(args[0])
-        if not args or args[0] is not self.current or not _is_view_op(func):
+        if not args or args[0] is not self.current or not is_view_op(func):
             self.ok = False
             return out
         rest = args[1:]
@@ -125,7 +125,7 @@ class _ViewRecorder(TorchDispatchMode):
         self.current = item
 
 
-def _is_view_op(func) -> bool:
+def is_view_op(func) -> bool:
     schema = func._schema
     return bool(schema.returns) and schema.returns[0].alias_info is not None and not schema.is_mutable
 

@@ -138,8 +138,18 @@ def capture(
     torch._C._set_view_replay_enabled(True)
     try:
         gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, IndexError) as e:
         if isinstance(e, AotgradError):
+            raise
+        mode = state.get("functionalize")
+        if mode is not None and mode.aliased_metadata_op is not None:
+            op, what = mode.aliased_metadata_op
+            raise UnsupportedMutationError(
+                f"aotgrad: the program calls {op} on {what}, which is a view or has views; functionalization "
+                f"cannot follow those views afterwards ({type(e).__name__}: {str(e).splitlines()[0]}). Use the "
+                "out-of-place view op (e.g. t() instead of t_()), or apply it to a .clone()."
+            ) from e
+        if not isinstance(e, RuntimeError):
             raise
         if "frozen storage" in str(e):
             raise UnsupportedMutationError(
@@ -160,10 +170,22 @@ def capture(
 
 class _Functionalize(FunctionalTensorMode):
     """Functionalization that refuses in-place writes through self-overlapping views (`expand`,
-    `as_strided` with repeated elements): eager's result depends on write order, functionalization's
-    would silently differ."""
+    `as_strided` with repeated elements) or through views of them: eager's result depends on write
+    order, or the functional graph's scatter back into the overlapping view cannot run.
+
+    It also remembers the first in-place metadata op (`t_`, `unsqueeze_`...) on a tensor that has
+    views or is one (`aliased_metadata_op`): functionalization does not follow such tensors' views
+    reliably, so capture turns a trace that then fails into a clear refusal."""
+
+    def __init__(self):
+        super().__init__()
+        self.aliased_metadata_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.inplace_view in getattr(func, "tags", ()) and self.aliased_metadata_op is None:
+            a = args[0]
+            if a._is_view() or getattr(a, "_aotgrad_has_views", False):
+                self.aliased_metadata_op = (func, _describe_tensor(a))
         if torch.Tag.inplace_view in getattr(func, "tags", ()) and not torch.is_grad_enabled():
             a = args[0]
             if a.requires_grad and (a._is_view() or getattr(a, "_aotgrad_caller_leaf", False)):
@@ -182,7 +204,37 @@ class _Functionalize(FunctionalTensorMode):
                             f"(size {tuple(a.shape)}, stride {tuple(a.stride())}, e.g. from expand()); "
                             "the result would depend on write order. Write into a .clone() instead."
                         )
-        return super().__torch_dispatch__(func, types, args, kwargs)
+                    if getattr(a, "_aotgrad_in_overlapping", False):
+                        raise UnsupportedMutationError(
+                            f"aotgrad: {func} writes through a view of a view whose elements overlap in "
+                            "memory (an input made by expand(), or as_strided with a zero stride); the "
+                            "functional graph cannot scatter the write back into it. Write into a .clone() instead."
+                        )
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if args and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func):
+            _note_views(func, args[0], out)
+        return out
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    """'input 0', 'a view of input 0' or 'an intermediate', for error messages."""
+    name = getattr(t, "_aotgrad_name", None) or getattr(t._base, "_aotgrad_name", None)
+    if name is None:
+        return "an intermediate"
+    return name if getattr(t, "_aotgrad_name", None) else f"a view of {name}"
+
+
+def _note_views(func, src: torch.Tensor, out) -> None:
+    """Mark `src` as having views, and the views a write through which functionalization cannot scatter
+    back: those of a self-overlapping `as_strided` result (its inverse, as_strided_scatter, refuses to
+    write overlapping elements) or of a self-overlapping input (the epilogue's copy_ into it would)."""
+    src._aotgrad_has_views = True
+    outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
+    overlapping_input = hasattr(src, "_aotgrad_name") and _overlaps_itself(src.shape, src.stride())
+    for t in outs:
+        made_overlapping = func is torch.ops.aten.as_strided.default and _overlaps_itself(t.shape, t.stride())
+        if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
+            t._aotgrad_in_overlapping = True
 
 
 def _overlaps_itself(size, stride) -> bool:
@@ -240,14 +292,15 @@ _FUNCTIONALIZATION_LIMITS = (
 
 
 def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, storage_groups):
-    mode = _Functionalize()
+    mode = state["functionalize"] = _Functionalize()
     with mode:
         initial_token = _seed_effect_token(mode)
         funs = [FunctionalTensor.to_functional(p) for p in primals]
         bases = [_clone_for_grad(f, p) if training and f.requires_grad else f for f, p in zip(funs, primals)]
     _tag_input_clones(bases, funs)
-    for p, b in zip(primals, bases):
+    for k, (p, b) in enumerate(zip(primals, bases)):
         b._aotgrad_caller_leaf = p.requires_grad and p.is_leaf
+        b._aotgrad_name = _primal_name(layout, k)
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
