@@ -200,3 +200,76 @@ def _function(body: str):
     ns: dict = {"torch": torch}
     exec("def f(a):\n    " + body.replace("; ", "\n    "), ns)
     return ns["f"]
+
+
+# --- seed 3 -------------------------------------------------------------------------------------------
+
+
+def test_multi_output_view_rebuilt_with_as_strided_refuses_inplace_as_eager():
+    """Seed 3 programs 298, 1465: after a metadata mutation of the input the chunk/split output is
+    rebuilt with as_strided; it must still carry MULTI_OUTPUT_NODE so that add_() on it fails as in
+    eager."""
+
+    def f(a):
+        a.squeeze_(0)
+        return (a.chunk(2, 0)[0],)
+
+    check_against_eager(f, _as_clone(1, 1))
+
+    def g(a, b):
+        b.squeeze_()
+        return (a.split(2, 1)[0],)
+
+    def make():
+        r = _leaf(2, 2)
+        c = r.clone()
+        return (r,), (c, c)
+
+    check_against_eager(g, make)
+
+
+def test_metadata_mutation_of_view_input_after_its_base_got_grad():
+    """Seed 3 program 2137: the epilogue's copy_ gives the synthetic base a grad_fn; the grad-mode
+    as_strided_ on the view input then needs the view's refreshed grad_fn, as eager's reads had."""
+
+    def f(a0, a1, a2):
+        a1.add_(a2)
+        v3 = torch.add(a0, a2, alpha=2)
+        a0.squeeze_()
+        return v3, a1
+
+    def make():
+        r0, r1 = _leaf(3, requires_grad=False), _leaf(seed=1)
+        c0 = r0.clone()
+        return (r0, r1), (c0.view((3,)), c0, r1)
+
+    check_against_eager(f, make)
+
+
+def test_version_bump_of_input_sharing_storage_with_a_saved_input():
+    """Seed 3 program 4196: t_() on a detached alias bumps the version counter shared with another
+    input the forward saves; that saved input must be protected from the epilogue's bump."""
+
+    def f(a0, a1):
+        v0 = a0.detach()
+        v0.t_()
+        return (a1 @ a1,)
+
+    def make():
+        r = _leaf(3)
+        c = r.clone()
+        return (r,), (c, c.narrow(0, 1, 2))
+
+    check_against_eager(f, make)
+
+
+def test_reshape_of_expanded_input_is_refused_clearly():
+    """Seed 3 programs 432, 1635: the trace sees a dense copy of an expand()ed input that requires
+    grad, where reshape is a view; eager's reshape copies. Replaying the view crashed."""
+
+    def f(a):
+        return (a.reshape((9,)),)
+
+    r = _leaf(1, 3)
+    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of input 0 in the trace"):
+        aot_function(f, nop)(r.expand((3, 3)))

@@ -13,6 +13,7 @@ epilogue has copied the new value in.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -130,9 +131,24 @@ def is_view_op(func) -> bool:
     return bool(schema.returns) and schema.returns[0].alias_info is not None and not schema.is_mutable
 
 
-def _probe_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A fresh fake tensor with `t`'s size/stride/offset, standing in for the run-time base."""
-    size, stride, offset = meta_of(t)
+def replays_on_layout(chain: ViewChain, like: torch.Tensor, meta) -> bool:
+    """Whether `chain`'s view ops run on a tensor laid out as `meta` (size, stride, offset). The trace
+    sees a dense copy of an input that overlaps itself (an expand()), where `reshape` is a view; on the
+    caller's layout eager's `reshape` copied, and the output is no alias."""
+    probe = _probe_like(like, requires_grad=False, meta=meta)
+    try:
+        with disable_functional_mode(), disable_proxy_modes_tracing():
+            for step in chain.steps:
+                probe = step.op(probe, *step.args, **dict(step.kwargs))
+                probe = probe[step.item] if step.item is not None else probe
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError for an impossible view
+        return False
+    return True
+
+
+def _probe_like(t: torch.Tensor, requires_grad: bool, meta=None) -> torch.Tensor:
+    """A fresh fake tensor with `t`'s size/stride/offset (or `meta`), standing in for the run-time base."""
+    size, stride, offset = meta or meta_of(t)
     with disable_functional_mode(), disable_proxy_modes_tracing():
         storage_numel = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else offset
         flat = torch.empty(max(storage_numel, 1), dtype=t.dtype, device=t.device)
@@ -195,19 +211,30 @@ def view_chain(
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
     if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem):
         # the recorded view function predates an in-place view op on the base or on `out` itself
-        return _as_strided_chain(out, base, grad_steps)
+        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     probe = _probe_like(base, requires_grad=base.requires_grad)
     recorded = _record_chain(out, probe)
     # Only sizes are compared: after a data mutation functionalization may give views of a
     # non-contiguous tensor other strides than eager; replaying the view ops on the real base is right.
     if recorded is None or recorded[1].shape != out.shape:
-        return _as_strided_chain(out, base, grad_steps)
+        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     steps = recorded[0]
     if grad_steps is None:
         return ViewChain(steps=steps)
     if grad_steps > len(steps):
-        return _as_strided_chain(out, base, grad_steps)
+        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     return ViewChain(steps=steps, no_grad_steps=len(steps) - grad_steps)
+
+
+def _keep_multi_output(out: torch.Tensor, chain: ViewChain | None) -> ViewChain | None:
+    """An as_strided chain loses what autograd knows when `out` comes from unbind/split/chunk (in-place
+    ops on it are errors): mark the chain so the run time sets the same creation meta."""
+    if chain is None or not out._is_view():
+        return chain
+    meta = torch._C._autograd._get_creation_meta(out)
+    if meta != torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE:
+        return chain
+    return replace(chain, multi_output=True)
 
 
 def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, grad_steps: int | None) -> ViewChain | None:

@@ -230,7 +230,8 @@ def _note_views(func, src: torch.Tensor, out) -> None:
     write overlapping elements) or of a self-overlapping input (the epilogue's copy_ into it would)."""
     src._aotgrad_has_views = True
     outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
-    overlapping_input = hasattr(src, "_aotgrad_name") and _overlaps_itself(src.shape, src.stride())
+    caller_meta = getattr(src, "_aotgrad_caller_meta", None)
+    overlapping_input = caller_meta is not None and _overlaps_itself(*caller_meta[:2])
     for t in outs:
         made_overlapping = func is torch.ops.aten.as_strided.default and _overlaps_itself(t.shape, t.stride())
         if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
@@ -301,6 +302,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     for k, (p, b) in enumerate(zip(primals, bases)):
         b._aotgrad_caller_leaf = p.requires_grad and p.is_leaf
         b._aotgrad_name = _primal_name(layout, k)
+        b._aotgrad_caller_meta = analysis.meta_of(p)  # differs from b's for an expand()ed input
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
@@ -666,6 +668,12 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
                 "and it cannot be rebuilt as a view of it. Return a .clone()."
             )
         return ("plain", o)
+    if shifts[k] is None and not analysis.replays_on_layout(chain, bases[k], bases[k]._aotgrad_caller_meta):
+        raise UnsupportedAliasingError(
+            f"aotgrad: output {pos} is a view of {_primal_name(layout, k)} in the trace, which sees a dense "
+            "copy of that input, but not on the input itself (it overlaps itself in memory, e.g. an expand(), "
+            "so eager's reshape copies). Pass a .contiguous() input, or return a .clone()."
+        )
     if chain.as_strided is not None:
         if k in fw.relayout:
             raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")

@@ -202,13 +202,16 @@ class ViewChain:
     `steps` replay view ops (so `._base`, `grad_fn` and later in-place ops behave as in eager); when
     no faithful chain exists `as_strided` holds (size, stride, offset) instead (one step). The first
     `no_grad_steps` steps replay under `torch.no_grad()` (the program made those views there);
-    `detach` detaches the result.
+    `detach` detaches the result. `multi_output`: the eager view came from a multi-output view op
+    (unbind, split, chunk) that an `as_strided` chain does not replay; the run time marks the result
+    so that in-place ops on it fail as in eager.
     """
 
     steps: tuple[ViewStep, ...] = ()
     as_strided: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
     no_grad_steps: int = 0
     detach: bool = False
+    multi_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,8 @@ def _emit_epilogue(src: _Source, plan: Plan) -> None:
     for a in plan.epilogue:
         if isinstance(a, (Restride, RestrideLeaf)):
             target = f"p{a.primal}" if isinstance(a, Restride) else f"l{a.leaf}"
+            if not a.no_grad:  # refresh a view's grad_fn after the copy_ into its base, as eager's reads did
+                src.emit(f"{target}.grad_fn")
             _emit(src, f"{target}.as_strided_({a.size}, {a.stride}, {a.offset})", a.no_grad)
         elif isinstance(a, CopyInto):
             _emit(src, f"p{a.primal}.copy_(r{a.value})", not a.grad)
@@ -259,6 +261,10 @@ def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
         value = make(value)
     if value != target:
         src.emit(f"{target} = {value}")
+    if chain.multi_output:
+        set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
+        meta = src.bind("multi_output", torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE)
+        src.emit(f"{set_meta}({target}, {meta})")
 
 
 def _step_expr(src: _Source, step) -> Callable[[str], str]:
