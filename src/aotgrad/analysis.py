@@ -13,6 +13,7 @@ epilogue has copied the new value in.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,20 +78,27 @@ def meta_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
 
 
 class _ViewRecorder(TorchDispatchMode):
-    """Records the aten view ops a view function replays, as `ViewStep`s."""
+    """Records the aten view ops a view function replays, as `ViewStep`s.
+
+    A multi-output view op (unbind, split, chunk) hands back a list; the next op (or the end of the
+    replay) says which item the chain continues from, and that index is stored on the op's step, so
+    the run time replays the real multi-output op and autograd marks the result as eager does."""
 
     def __init__(self, start: torch.Tensor):
         super().__init__()
         self.current = start
         self.steps: list[ViewStep] = []
         self.ok = True
+        self.pending_multi: list | tuple | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not isinstance(out, (torch.Tensor, list, tuple)):  # metadata queries (device, sizes)
             return out
-        if not args or args[0] is not self.current or not _is_view_op(func):
+        if args and self.pending_multi is not None:
+            self.continue_from(args[0])
+        if not args or args[0] is not self.current or not is_view_op(func):
             self.ok = False
             return out
         rest = args[1:]
@@ -98,25 +106,49 @@ class _ViewRecorder(TorchDispatchMode):
             isinstance(v, torch.Tensor) for v in kwargs.values()
         ):
             self.ok = False
-        step = ViewStep(func, tuple(rest), tuple(sorted(kwargs.items())))
+        self.steps.append(ViewStep(func, tuple(rest), tuple(sorted(kwargs.items()))))
         if isinstance(out, (list, tuple)):
-            self.steps.append(step)
             self.pending_multi = out
             self.current = None
         else:
-            self.steps.append(step)
             self.current = out
         return out
 
+    def continue_from(self, item: torch.Tensor) -> None:
+        """The chain goes on from `item` of the last multi-output op: remember which one."""
+        k = next((k for k, x in enumerate(self.pending_multi) if x is item), None)
+        self.pending_multi = None
+        if k is None:
+            self.ok = False
+            return
+        last = self.steps[-1]
+        self.steps[-1] = ViewStep(last.op, last.args, last.kwargs, item=k)
+        self.current = item
 
-def _is_view_op(func) -> bool:
+
+def is_view_op(func) -> bool:
     schema = func._schema
     return bool(schema.returns) and schema.returns[0].alias_info is not None and not schema.is_mutable
 
 
-def _probe_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A fresh fake tensor with `t`'s size/stride/offset, standing in for the run-time base."""
-    size, stride, offset = meta_of(t)
+def replays_on_layout(chain: ViewChain, like: torch.Tensor, meta) -> bool:
+    """Whether `chain`'s view ops run on a tensor laid out as `meta` (size, stride, offset). The trace
+    sees a dense copy of an input that overlaps itself (an expand()), where `reshape` is a view; on the
+    caller's layout eager's `reshape` copied, and the output is no alias."""
+    probe = _probe_like(like, requires_grad=False, meta=meta)
+    try:
+        with disable_functional_mode(), disable_proxy_modes_tracing():
+            for step in chain.steps:
+                probe = step.op(probe, *step.args, **dict(step.kwargs))
+                probe = probe[step.item] if step.item is not None else probe
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError for an impossible view
+        return False
+    return True
+
+
+def _probe_like(t: torch.Tensor, requires_grad: bool, meta=None) -> torch.Tensor:
+    """A fresh fake tensor with `t`'s size/stride/offset (or `meta`), standing in for the run-time base."""
+    size, stride, offset = meta or meta_of(t)
     with disable_functional_mode(), disable_proxy_modes_tracing():
         storage_numel = offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1 if all(size) else offset
         flat = torch.empty(max(storage_numel, 1), dtype=t.dtype, device=t.device)
@@ -135,22 +167,11 @@ def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[Vi
             result = out._view_func_unsafe(base_probe)
     except Exception:
         return None
+    if recorder.pending_multi is not None:
+        recorder.continue_from(result)
     if not recorder.ok:
         return None
-    steps = list(recorder.steps)
-    # A multi-output view (unbind, split...) hands back a list: find which element we are.
-    if getattr(recorder, "pending_multi", None) is not None:
-        items = recorder.pending_multi
-        for k, item in enumerate(items):
-            if item is result:
-                last = steps[-1]
-                steps[-1] = ViewStep(last.op, last.args, last.kwargs, item=k)
-                break
-        else:
-            return None
-        if len(steps) != len(recorder.steps):
-            return None
-    return tuple(steps), result
+    return tuple(recorder.steps), result
 
 
 def _autograd_path(t: torch.Tensor, base: torch.Tensor) -> tuple[list[str], bool]:
@@ -190,19 +211,30 @@ def view_chain(
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
     if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem):
         # the recorded view function predates an in-place view op on the base or on `out` itself
-        return _as_strided_chain(out, base, grad_steps)
+        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     probe = _probe_like(base, requires_grad=base.requires_grad)
     recorded = _record_chain(out, probe)
     # Only sizes are compared: after a data mutation functionalization may give views of a
     # non-contiguous tensor other strides than eager; replaying the view ops on the real base is right.
     if recorded is None or recorded[1].shape != out.shape:
-        return _as_strided_chain(out, base, grad_steps)
+        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     steps = recorded[0]
     if grad_steps is None:
         return ViewChain(steps=steps)
     if grad_steps > len(steps):
-        return _as_strided_chain(out, base, grad_steps)
+        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     return ViewChain(steps=steps, no_grad_steps=len(steps) - grad_steps)
+
+
+def _keep_multi_output(out: torch.Tensor, chain: ViewChain | None) -> ViewChain | None:
+    """An as_strided chain loses what autograd knows when `out` comes from unbind/split/chunk (in-place
+    ops on it are errors): mark the chain so the run time sets the same creation meta."""
+    if chain is None or not out._is_view():
+        return chain
+    meta = torch._C._autograd._get_creation_meta(out)
+    if meta != torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE:
+        return chain
+    return replace(chain, multi_output=True)
 
 
 def _as_strided_chain(out: torch.Tensor, base: torch.Tensor, grad_steps: int | None) -> ViewChain | None:

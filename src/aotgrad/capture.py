@@ -142,8 +142,18 @@ def capture(
         # interleave with, the trace's own modes; they see the compiled code's ops at run time.
         with torch.utils._python_dispatch._disable_current_modes():
             gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, IndexError) as e:
         if isinstance(e, AotgradError):
+            raise
+        mode = state.get("functionalize")
+        if mode is not None and mode.aliased_metadata_op is not None:
+            op, what = mode.aliased_metadata_op
+            raise UnsupportedMutationError(
+                f"aotgrad: the program calls {op} on {what}, which is a view or has views; functionalization "
+                f"cannot follow those views afterwards ({type(e).__name__}: {str(e).splitlines()[0]}). Use the "
+                "out-of-place view op (e.g. t() instead of t_()), or apply it to a .clone()."
+            ) from e
+        if not isinstance(e, RuntimeError):
             raise
         if "frozen storage" in str(e):
             raise UnsupportedMutationError(
@@ -164,10 +174,22 @@ def capture(
 
 class _Functionalize(FunctionalTensorMode):
     """Functionalization that refuses in-place writes through self-overlapping views (`expand`,
-    `as_strided` with repeated elements): eager's result depends on write order, functionalization's
-    would silently differ."""
+    `as_strided` with repeated elements) or through views of them: eager's result depends on write
+    order, or the functional graph's scatter back into the overlapping view cannot run.
+
+    It also remembers the first in-place metadata op (`t_`, `unsqueeze_`...) on a tensor that has
+    views or is one (`aliased_metadata_op`): functionalization does not follow such tensors' views
+    reliably, so capture turns a trace that then fails into a clear refusal."""
+
+    def __init__(self):
+        super().__init__()
+        self.aliased_metadata_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.inplace_view in getattr(func, "tags", ()) and self.aliased_metadata_op is None:
+            a = args[0]
+            if a._is_view() or getattr(a, "_aotgrad_has_views", False):
+                self.aliased_metadata_op = (func, _describe_tensor(a))
         if torch.Tag.inplace_view in getattr(func, "tags", ()) and not torch.is_grad_enabled():
             a = args[0]
             if a.requires_grad and (a._is_view() or getattr(a, "_aotgrad_caller_leaf", False)):
@@ -188,7 +210,38 @@ class _Functionalize(FunctionalTensorMode):
                             f"(size {tuple(a.shape)}, stride {tuple(a.stride())}, e.g. from expand()); "
                             "the result would depend on write order. Write into a .clone() instead."
                         )
-        return super().__torch_dispatch__(func, types, args, kwargs)
+                    if getattr(a, "_aotgrad_in_overlapping", False):
+                        raise UnsupportedMutationError(
+                            f"aotgrad: {func} writes through a view of a view whose elements overlap in "
+                            "memory (an input made by expand(), or as_strided with a zero stride); the "
+                            "functional graph cannot scatter the write back into it. Write into a .clone() instead."
+                        )
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if args and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func):
+            _note_views(func, args[0], out)
+        return out
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    """'input 0', 'a view of input 0' or 'an intermediate', for error messages."""
+    name = getattr(t, "_aotgrad_name", None) or getattr(t._base, "_aotgrad_name", None)
+    if name is None:
+        return "an intermediate"
+    return name if getattr(t, "_aotgrad_name", None) else f"a view of {name}"
+
+
+def _note_views(func, src: torch.Tensor, out) -> None:
+    """Mark `src` as having views, and the views a write through which functionalization cannot scatter
+    back: those of a self-overlapping `as_strided` result (its inverse, as_strided_scatter, refuses to
+    write overlapping elements) or of a self-overlapping input (the epilogue's copy_ into it would)."""
+    src._aotgrad_has_views = True
+    outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
+    caller_meta = getattr(src, "_aotgrad_caller_meta", None)
+    overlapping_input = caller_meta is not None and _overlaps_itself(*caller_meta[:2])
+    for t in outs:
+        made_overlapping = func is torch.ops.aten.as_strided.default and _overlaps_itself(t.shape, t.stride())
+        if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
+            t._aotgrad_in_overlapping = True
 
 
 def _check_custom_op(func, schema) -> None:
@@ -267,14 +320,16 @@ _FUNCTIONALIZATION_LIMITS = (
 
 
 def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, storage_groups):
-    mode = _Functionalize()
+    mode = state["functionalize"] = _Functionalize()
     with mode:
         initial_token = _seed_effect_token(mode)
         funs = [FunctionalTensor.to_functional(p) for p in primals]
         bases = [_clone_for_grad(f, p) if training and f.requires_grad else f for f, p in zip(funs, primals)]
     _tag_input_clones(bases, funs)
-    for p, b in zip(primals, bases):
+    for k, (p, b) in enumerate(zip(primals, bases)):
         b._aotgrad_caller_leaf = p.requires_grad and p.is_leaf
+        b._aotgrad_name = _primal_name(layout, k)
+        b._aotgrad_caller_meta = analysis.meta_of(p)  # differs from b's for an expand()ed input
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
@@ -539,8 +594,10 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
     base_storage = {analysis.storage_id(b): k for k, b in enumerate(bases)}
     position_of: dict[int, int] = {}
     pending = []  # views of intermediates: resolved once plain outputs have graph indices
-    sources: list = [None] * len(flat_out)
-    for pos, o in enumerate(flat_out):
+    values = list(flat_out) + _detached_bases(flat_out, leaf_of, base_storage, bases)
+    sources: list = [None] * len(values)
+    for pos in _bases_first(values):
+        o = values[pos]
         if isinstance(o, torch.Tensor) and id(o) in position_of:
             sources[pos] = SameAs(position_of[id(o)])  # returned twice: the same object twice
             continue
@@ -563,9 +620,42 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
             o = src[1]
             plain_index[id(o)] = _add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o))
             sources[pos] = GraphOutput(plain_index[id(o)])
-    for pos in pending:
-        sources[pos] = _view_of_intermediate(fw, pos, flat_out[pos], plain_index, training)
+    chains = {pos: _intermediate_chain(pos, values[pos]) for pos in sorted(pending)}
+    # An intermediate base is differentiable only if some view rebuilt from it keeps an autograd path
+    # to it: else the compiled Function would connect every input to it, and eager's None grads would
+    # become zeros.
+    grad_bases = {id(values[pos]._base) for pos, c in chains.items() if c is not None and _keeps_grad_path(c)}
+    for pos, chain in chains.items():
+        base_grad = training and id(values[pos]._base) in grad_bases
+        sources[pos] = _view_of_intermediate(fw, pos, values[pos], chain, plain_index, training, base_grad)
     fw.out_sources = sources
+
+
+def _detached_bases(flat_out, leaf_of, base_storage, bases) -> list:
+    """`.detach()`ed aliases of inputs that the program did not return but whose views it did.
+
+    In eager such a view's `._base` is the detached tensor, shared by all its views; these become
+    hidden entries after the user outputs (plan.Plan.out_sources), rebuilt once at run time."""
+    hidden: list = []
+    returned = {id(o) for o in flat_out}
+    for o in flat_out:
+        b = getattr(o, "_base", None)
+        if not isinstance(b, FunctionalTensor) or id(b) in returned or any(b is h for h in hidden):
+            continue
+        k = base_storage.get(analysis.storage_id(b))
+        if k is None or b is bases[k] or b._base is not None or id(b) in leaf_of:
+            continue
+        if not b.requires_grad and b.dtype == bases[k].dtype:
+            hidden.append(b)
+    return hidden
+
+
+def _bases_first(values) -> list[int]:
+    """Positions in the order to classify them: values that are the `._base` of another value first,
+    so a view is rebuilt from its base whichever position the base was returned at."""
+    base_ids = {id(getattr(o, "_base", None)) for o in values}
+    firsts = [pos for pos, o in enumerate(values) if id(o) in base_ids]
+    return firsts + [pos for pos in range(len(values)) if pos not in firsts]
 
 
 def _is_graph_value(source) -> bool:
@@ -605,6 +695,12 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
                 "and it cannot be rebuilt as a view of it. Return a .clone()."
             )
         return ("plain", o)
+    if shifts[k] is None and not analysis.replays_on_layout(chain, bases[k], bases[k]._aotgrad_caller_meta):
+        raise UnsupportedAliasingError(
+            f"aotgrad: output {pos} is a view of {_primal_name(layout, k)} in the trace, which sees a dense "
+            "copy of that input, but not on the input itself (it overlaps itself in memory, e.g. an expand(), "
+            "so eager's reshape copies). Pass a .contiguous() input, or return a .clone()."
+        )
     if chain.as_strided is not None:
         if k in fw.relayout:
             raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")
@@ -612,15 +708,33 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
     return AliasOfPrimal(k, chain)
 
 
-def _view_of_intermediate(fw, pos, o, plain_index, training):
+def _intermediate_chain(pos, o):
+    """How to rebuild `o`, a view of a tensor the graph computes, from that tensor (None: return `o`)."""
+    base = o._base
+    if o.requires_grad and not base.requires_grad:
+        raise UnsupportedAliasingError(
+            f"aotgrad: output {pos} is a view of an intermediate that the program detach_()es after taking "
+            "the view; the view keeps its autograd history in eager, a view rebuilt from the detached base "
+            "cannot. Return a .clone() of the view."
+        )
+    return analysis.view_chain(o, base, torch._functionalize_has_metadata_mutation(base.elem))
+
+
+def _keeps_grad_path(chain) -> bool:
+    """A view rebuilt with `chain` is connected to its base in autograd (no step under no_grad, no detach)."""
+    return chain.no_grad_steps == 0 and not chain.detach
+
+
+def _view_of_intermediate(fw, pos, o, chain, plain_index, training, base_grad):
     """A view of a tensor the graph computes: return the base from the graph, rebuild the view."""
     base = o._base
-    chain = analysis.view_chain(o, base, torch._functionalize_has_metadata_mutation(base.elem))
     if chain is None:
         return GraphOutput(_add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o)))
     idx = plain_index.get(id(base))
     if idx is None:
-        idx = _add_fw_value(fw, base, IntermediateBase(), training and analysis.is_differentiable(base))
+        differentiable = base_grad and analysis.is_differentiable(base)
+        kind = IntermediateBase(leaf_requires_grad=training and not differentiable and analysis.is_differentiable(base))
+        idx = _add_fw_value(fw, base, kind, differentiable)
         plain_index[id(base)] = idx
     return AliasOfGraphOutput(idx, chain)
 

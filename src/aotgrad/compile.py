@@ -75,7 +75,7 @@ def compile_training(
     mutated_after_forward = {
         a.primal if hasattr(a, "primal") else views[a.leaf].primal for a in plan.epilogue
     }
-    clone_saved_inputs(fw_module, plan.num_fw_outputs, mutated_after_forward)
+    clone_saved_inputs(fw_module, plan.num_fw_outputs, _with_storage_sharers(mutated_after_forward, example_primals))
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
     in_place = _reinplace_for(fw_compiler, fw_module, plan)
@@ -90,7 +90,6 @@ def compile_training(
         bw_module=bw_module,
         bw_compiler=bw_compiler,
     )
-
 
 
 def writable_inputs(plan: Plan, gm: torch.fx.GraphModule) -> list[int]:
@@ -127,3 +126,13 @@ def _reinplace_for(compiler: Callable, gm: torch.fx.GraphModule, plan: Plan) -> 
         for o, node in zip(plan.fw_outputs, outs)
         if isinstance(o.kind, MutatedInputValue) and o.kind.primal in writable and node is placeholders[o.kind.primal]
     )
+
+
+def _with_storage_sharers(indices: set[int], primals: Sequence[Any]) -> set[int]:
+    """`indices` plus the primals that share a storage (and so a version counter) with one of them:
+    an epilogue action on one invalidates the others' saved values too."""
+    def storage(t):
+        return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else None
+
+    touched = {storage(primals[i]) for i in indices}
+    return indices | {i for i, p in enumerate(primals) if storage(p) is not None and storage(p) in touched}

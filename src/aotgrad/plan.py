@@ -202,13 +202,16 @@ class ViewChain:
     `steps` replay view ops (so `._base`, `grad_fn` and later in-place ops behave as in eager); when
     no faithful chain exists `as_strided` holds (size, stride, offset) instead (one step). The first
     `no_grad_steps` steps replay under `torch.no_grad()` (the program made those views there);
-    `detach` detaches the result.
+    `detach` detaches the result. `multi_output`: the eager view came from a multi-output view op
+    (unbind, split, chunk) that an `as_strided` chain does not replay; the run time marks the result
+    so that in-place ops on it fail as in eager.
     """
 
     steps: tuple[ViewStep, ...] = ()
     as_strided: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
     no_grad_steps: int = 0
     detach: bool = False
+    multi_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,14 @@ class UserOutput:
 
 @dataclass(frozen=True)
 class IntermediateBase:
-    """A tensor the program did not return, but whose views it did."""
+    """A tensor the program did not return, but whose views it did.
+
+    `leaf_requires_grad`: no returned view reaches it in autograd (all were taken under `no_grad`),
+    so the graph returns it non-differentiable (else the inputs would get zero grads instead of
+    None); it still requires grad in eager, which views taken of it under `no_grad` inherit, so the
+    run time makes it a leaf that requires grad."""
+
+    leaf_requires_grad: bool = False
 
 
 FwOutputKind = MutatedInputValue | UserOutput | IntermediateBase
@@ -301,7 +311,12 @@ class FwOutput:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything the run time needs to know about one compiled signature."""
+    """Everything the run time needs to know about one compiled signature.
+
+    `out_sources` has one entry per leaf of the output pytree, then one per hidden base: a tensor the
+    program did not return (a `.detach()` of an input) whose views it returned, rebuilt once so
+    those views share one `._base` as in eager.
+    """
 
     layout: InputLayout
     mutations: tuple[InputMutation, ...]

@@ -33,6 +33,7 @@ from .compile import CompiledForward
 from .inputs import storage_base
 from .plan import (
     AliasOfGraphOutput,
+    AliasOfOutput,
     AliasOfPrimal,
     BaseOfLeaf,
     BumpVersion,
@@ -42,6 +43,7 @@ from .plan import (
     FromLeaf,
     GraphOutput,
     InputItself,
+    IntermediateBase,
     Plan,
     Restride,
     RestrideLeaf,
@@ -165,11 +167,12 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
         for s in plan.out_sources:
             if isinstance(s, GraphOutput):  # as in make_autograd_function: no view of a hidden tensor
                 src.emit(f"r{s.index} = {nv}(r{s.index}, {prim})")
+    for i, o in enumerate(plan.fw_outputs):
+        if isinstance(o.kind, IntermediateBase) and o.kind.leaf_requires_grad:
+            src.emit(f"r{i}.requires_grad_(True)")
     _emit_epilogue(src, plan, compiled.written_in_place)
-    names: list[str] = []
-    for i, s in enumerate(plan.out_sources):
-        names.append(_emit_output(src, i, s, names))
-    src.emit(f"return {_structure(src, plan.out_spec, names)}")
+    names = _emit_outputs(src, plan)
+    src.emit(f"return {_structure(src, plan.out_spec, names[: plan.out_spec.num_leaves])}")
     return src.build("run", "def run(leaves):")
 
 
@@ -179,6 +182,8 @@ def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int]) -
             continue  # the compiled graph mutated the input itself (reinplace.py)
         if isinstance(a, (Restride, RestrideLeaf)):
             target = f"p{a.primal}" if isinstance(a, Restride) else f"l{a.leaf}"
+            if not a.no_grad:  # refresh a view's grad_fn after the copy_ into its base, as eager's reads did
+                src.emit(f"{target}.grad_fn")
             _emit(src, f"{target}.as_strided_({a.size}, {a.stride}, {a.offset})", a.no_grad)
         elif isinstance(a, CopyInto):
             _emit(src, f"p{a.primal}.copy_(r{a.value})", not a.grad)
@@ -200,7 +205,25 @@ def _emit(src: _Source, line: str, no_grad: bool) -> None:
         src.emit(line)
 
 
-def _emit_output(src: _Source, i: int, s, names: list[str]) -> str:
+def _emit_outputs(src: _Source, plan: Plan) -> list[str]:
+    """Emit every output (and hidden base), each after the one it is rebuilt from or the same as:
+    a view may be returned before its base."""
+    names: dict[int, str] = {}
+
+    def emit(i: int) -> None:
+        if i in names:
+            return
+        s = plan.out_sources[i]
+        if isinstance(s, (SameAs, AliasOfOutput)):
+            emit(s.position)
+        names[i] = _emit_output(src, i, s, names)
+
+    for i in range(len(plan.out_sources)):
+        emit(i)
+    return [names[i] for i in range(len(plan.out_sources))]
+
+
+def _emit_output(src: _Source, i: int, s, names: dict[int, str]) -> str:
     """Emit what output `i` needs and return the expression naming it."""
     if isinstance(s, GraphOutput):
         return f"r{s.index}"
@@ -240,6 +263,10 @@ def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
         value = make(value)
     if value != target:
         src.emit(f"{target} = {value}")
+    if chain.multi_output:
+        set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
+        meta = src.bind("multi_output", torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE)
+        src.emit(f"{set_meta}({target}, {meta})")
 
 
 def _step_expr(src: _Source, step) -> Callable[[str], str]:

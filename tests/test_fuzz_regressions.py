@@ -1,0 +1,275 @@
+"""Regressions found by the differential fuzzer (scripts/fuzz.py), one test per bug.
+
+Each test is a shrunk fuzzer program (seed and program number in its docstring) checked against eager
+with `check_against_eager`, or, where aotgrad cannot be faithful, checked to be a clear refusal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotgrad import aot_function, nop
+from aotgrad.errors import UnsupportedAliasingError, UnsupportedMutationError
+from aotgrad.testing import check_against_eager
+
+
+def _leaf(*shape, dtype=torch.float32, requires_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=dtype)
+    return t.requires_grad_() if requires_grad else t
+
+
+def _as_leaf(*shape, **kw):
+    """make_inputs: one leaf passed as is."""
+
+    def make():
+        r = _leaf(*shape, **kw)
+        return (r,), (r,)
+
+    return make
+
+
+def _as_clone(*shape, **kw):
+    """make_inputs: a non-leaf clone of a leaf (so the program may mutate it)."""
+
+    def make():
+        r = _leaf(*shape, **kw)
+        return (r,), (r.clone(),)
+
+    return make
+
+
+# --- multi-output views (unbind / split / chunk) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "take",
+    [
+        lambda v: v.unbind(1)[0].t(),  # seed 11 program 2189
+        lambda v: v.split(1, 1)[1].unsqueeze(0),
+        lambda v: v.chunk(2, 0)[0].t().unsqueeze(1),
+    ],
+    ids=["unbind_then_t", "split_then_unsqueeze", "chunk_then_t_then_unsqueeze"],
+)
+def test_view_of_multi_output_view_refuses_inplace_as_eager(take):
+    """A view of an unbind/split/chunk output keeps eager's MULTI_OUTPUT_NODE creation meta, so an
+    in-place op on it afterwards raises as in eager. The rebuilt view used to replay as_strided (the
+    recorder lost the chain after the multi-output op) and allowed the in-place op."""
+
+    def f(a):
+        return (take(a.sin()),)
+
+    check_against_eager(f, _as_leaf(4, 2))
+
+
+# --- views of .detach()ed inputs -------------------------------------------------------------------
+
+
+def test_views_of_one_detached_input_share_its_base():
+    """Seed 11 program 387: both views' `._base` is the same hidden detached tensor in eager."""
+
+    def f(a):
+        d = a.detach()
+        v = d.view((-1,))
+        s = d.select(0, 0)
+        return s.add_(0.5), v
+
+    check_against_eager(f, _as_leaf(2, 2, requires_grad=False))
+
+
+def test_view_returned_before_its_detached_base():
+    """Seed 11 programs 1895, 2644: `._base` of the first output is the second output."""
+
+    def f(a):
+        d = a.detach()
+        return d.t(), d
+
+    check_against_eager(f, _as_leaf(3, requires_grad=False))
+    check_against_eager(f, _as_clone(3))
+
+
+def test_views_of_twice_detached_mutated_input():
+    """Seed 11 program 1506: views of `x.detach().detach()` after the input is mutated."""
+
+    def f(a):
+        d = a.detach().detach()
+        v2 = d.as_strided((3,), (1,), 0)
+        v3 = d.unsqueeze(1)
+        a.sub_(-1)
+        return v3, v2
+
+    check_against_eager(f, _as_clone(3))
+
+
+# --- views of intermediates ------------------------------------------------------------------------
+
+
+def test_no_grad_view_of_intermediate_leaves_unused_input_grad_none():
+    """Seed 11 program 232: the only view of `a.sin()` is taken under no_grad, so eager's grad of `a`
+    is None. The intermediate base was a differentiable output of the compiled Function, which gave
+    `a` a zero grad instead."""
+
+    def f(a, b):
+        v0 = a.sin()
+        with torch.no_grad():
+            v2 = v0.t()
+        return b + b, v2
+
+    def make():
+        a, b = _leaf(2, seed=1), _leaf(3, 4, seed=2)
+        return (a, b), (a, b)
+
+    check_against_eager(f, make)
+
+
+def test_no_grad_view_of_intermediate_after_input_metadata_mutation():
+    """Seed 11 program 1042: eager never differentiates through `v0`'s saved input (which `t_()`
+    changed); tracing a backward through it crashed."""
+
+    def f(a):
+        v0 = a * a
+        a.t_()
+        v1 = torch.add(v0, v0, alpha=2)
+        with torch.no_grad():
+            v3 = v1.squeeze()
+        return (v3,)
+
+    check_against_eager(f, _as_clone(2, 3))
+
+
+def test_view_of_intermediate_detached_in_place_is_refused():
+    """Seed 11 programs 856, 1353, 2504: eager's view keeps its autograd history after its base is
+    `detach_()`ed; a view rebuilt from the detached base cannot, so aotgrad refuses."""
+
+    def f(a):
+        v0 = a - 1
+        v2 = v0.as_strided((3,), (1,), 2)
+        v0.detach_()
+        return (v2,)
+
+    (r,), (x,) = _as_leaf(3, 2)()
+    f(x)  # fine in eager
+    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of an intermediate"):
+        aot_function(f, nop)(x)
+
+
+# --- metadata mutations of aliased tensors, writes through views of overlapping views --------------
+
+
+@pytest.mark.parametrize(
+    "body, shape",
+    [
+        ("v = a.view((-1,)); a.t_(); v.add_(1.5); return v", (2, 4)),  # seed 11 program 172
+        ("v = a[:, :, 0]; v.unsqueeze_(1); a.add_(-1); return v - a", (3, 2, 2)),  # seed 11 program 974
+        ("v = a[::2]; v.squeeze_(0); a.add_(a); return v.tanh()", (2,)),  # seed 11 program 1621
+    ],
+    ids=["base_t_then_write_view", "view_unsqueeze_then_write_base", "view_squeeze_then_write_base"],
+)
+def test_metadata_mutation_of_aliased_tensor_is_refused_clearly(body, shape):
+    """Functionalization cannot follow views of a tensor whose metadata changed in place (the trace
+    crashed: invalid gradient shapes, impossible views); the refusal names the op and the input."""
+    f = _function(body)
+    x = _leaf(*shape)
+    f(x.clone())  # fine in eager
+    with pytest.raises(UnsupportedMutationError, match=r"calls aten\.\w+_\.\w+ on (a view of )?input 0"):
+        aot_function(f, nop)(x.clone())
+
+
+@pytest.mark.parametrize(
+    "body, make",
+    [
+        # seed 11 program 241: as_strided with a zero stride, then a write through one of its items
+        ("v = a.as_strided((1, 3), (2, 0), 0); v.unbind(1)[1].add_(1); return a", lambda: _leaf(2, 2, requires_grad=False)),
+        # seed 11 program 2339: the input itself is expanded; a select of it is written
+        ("a.select(0, 2).fill_(3); return a", lambda: _leaf(2, 2, 3, requires_grad=False).expand((3, 2, 2, 3))),
+    ],
+    ids=["view_of_zero_stride_as_strided", "select_of_expanded_input"],
+)
+def test_write_through_view_of_overlapping_view_is_refused(body, make):
+    """Eager writes the elements once; the functional graph scatters back into the overlapping view and
+    crashed at run time ("more than one element of the written-to tensor refers to a single memory
+    location")."""
+    f = _function(body)
+    f(make())  # fine in eager
+    with pytest.raises(UnsupportedMutationError, match="view of a view whose elements overlap"):
+        aot_function(f, nop)(make())
+
+
+def _function(body: str):
+    ns: dict = {"torch": torch}
+    exec("def f(a):\n    " + body.replace("; ", "\n    "), ns)
+    return ns["f"]
+
+
+# --- seed 3 -------------------------------------------------------------------------------------------
+
+
+def test_multi_output_view_rebuilt_with_as_strided_refuses_inplace_as_eager():
+    """Seed 3 programs 298, 1465: after a metadata mutation of the input the chunk/split output is
+    rebuilt with as_strided; it must still carry MULTI_OUTPUT_NODE so that add_() on it fails as in
+    eager."""
+
+    def f(a):
+        a.squeeze_(0)
+        return (a.chunk(2, 0)[0],)
+
+    check_against_eager(f, _as_clone(1, 1))
+
+    def g(a, b):
+        b.squeeze_()
+        return (a.split(2, 1)[0],)
+
+    def make():
+        r = _leaf(2, 2)
+        c = r.clone()
+        return (r,), (c, c)
+
+    check_against_eager(g, make)
+
+
+def test_metadata_mutation_of_view_input_after_its_base_got_grad():
+    """Seed 3 program 2137: the epilogue's copy_ gives the synthetic base a grad_fn; the grad-mode
+    as_strided_ on the view input then needs the view's refreshed grad_fn, as eager's reads had."""
+
+    def f(a0, a1, a2):
+        a1.add_(a2)
+        v3 = torch.add(a0, a2, alpha=2)
+        a0.squeeze_()
+        return v3, a1
+
+    def make():
+        r0, r1 = _leaf(3, requires_grad=False), _leaf(seed=1)
+        c0 = r0.clone()
+        return (r0, r1), (c0.view((3,)), c0, r1)
+
+    check_against_eager(f, make)
+
+
+def test_version_bump_of_input_sharing_storage_with_a_saved_input():
+    """Seed 3 program 4196: t_() on a detached alias bumps the version counter shared with another
+    input the forward saves; that saved input must be protected from the epilogue's bump."""
+
+    def f(a0, a1):
+        v0 = a0.detach()
+        v0.t_()
+        return (a1 @ a1,)
+
+    def make():
+        r = _leaf(3)
+        c = r.clone()
+        return (r,), (c, c.narrow(0, 1, 2))
+
+    check_against_eager(f, make)
+
+
+def test_reshape_of_expanded_input_is_refused_clearly():
+    """Seed 3 programs 432, 1635: the trace sees a dense copy of an expand()ed input that requires
+    grad, where reshape is a view; eager's reshape copies. Replaying the view crashed."""
+
+    def f(a):
+        return (a.reshape((9,)),)
+
+    r = _leaf(1, 3)
+    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of input 0 in the trace"):
+        aot_function(f, nop)(r.expand((3, 3)))
