@@ -505,3 +505,15 @@ def test_dynamic_shapes_through_the_backend():
         y_eager = y.clone()
         torch.testing.assert_close(compiled(x, y), f(x, y_eager))
         torch.testing.assert_close(y, y_eager)
+
+
+def test_mutating_one_piece_of_a_split():
+    def f(x):
+        buf = torch.zeros(6)
+        a, b = buf.split(3)
+        before = b * 1
+        list_add(x, [a])
+        return a + b, before, buf
+
+    check_against_eager(f, inputs(3))
+    check_against_eager(f, inputs(("grad", 3)))

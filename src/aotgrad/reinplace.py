@@ -48,9 +48,9 @@ def reinplace(gm: GraphModule, writable_inputs: Iterable[int] = ()) -> int:
     for node in calls:
         order = {n: i for i, n in enumerate(graph.nodes)}
         bases = list(node.kwargs["_all_bases"])
-        keep = [b is None or _can_mutate(node, b, writable, order) for b in bases]
-        _rewrite(graph, node, keep)
-        in_place += sum(k for b, k in zip(bases, keep) if b is not None)
+        mutate = [b is None or _can_mutate(node, b, writable, order) for b in bases]
+        _rewrite(graph, node, mutate)
+        in_place += sum(m for b, m in zip(bases, mutate) if b is not None)
     graph.lint()
     gm.recompile()
     return in_place
@@ -69,6 +69,8 @@ def _is_rewritable(node: Node) -> bool:
 def _is_view(node: Node) -> bool:
     if node.op != "call_function":
         return False
+    if node.target is operator.getitem:  # an item of split/unbind/chunk is a view of their input
+        return isinstance(node.args[0], Node) and _is_view(node.args[0])
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None and not schema.is_mutable)
 
@@ -119,13 +121,14 @@ def _tensor_args(call: Node) -> list[Node]:
 # -- the rewrite --------------------------------------------------------------------------------------
 
 
-def _rewrite(graph: Graph, call: Node, keep: list[bool]) -> None:
+def _rewrite(graph: Graph, call: Node, mutate: list[bool]) -> None:
+    """Replace `call` by the mutable op on its bases (`mutate[i]`) or on clones of them."""
     op: torch._ops.OpOverload = call.args[0]
     kwargs = dict(call.kwargs)
     with graph.inserting_before(call):
         bases = [
-            b if b is None or k else _clone_preserving_strides(graph, b)
-            for b, k in zip(kwargs.pop("_all_bases"), keep)
+            b if b is None or m else _clone_preserving_strides(graph, b)
+            for b, m in zip(kwargs.pop("_all_bases"), mutate)
         ]
         op_kwargs = _op_kwargs(graph, op._schema, kwargs, bases)
         result = graph.call_function(op, (), op_kwargs)
