@@ -517,3 +517,30 @@ def test_mutating_one_piece_of_a_split():
 
     check_against_eager(f, inputs(3))
     check_against_eager(f, inputs(("grad", 3)))
+
+
+@pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
+def test_fsdp_pattern_through_torch_compile(backend):
+    def f(p, data, inp):
+        torch.ops.inductor.resize_storage_bytes_(p, p.numel() * 4)
+        torch.ops.fsdp.copy_(p, data)
+        out = inp * p.sum(0)
+        torch.ops.inductor.resize_storage_bytes_(p, 0)
+        return out
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.empty(3, 3)
+        p.untyped_storage().resize_(0)
+        return p, torch.randn(3, 3), torch.randn(2, 3, requires_grad=True)
+
+    p, data, inp = make()
+    ref = f(p, data, inp)
+    ref.sum().backward()
+    torch._dynamo.reset()
+    p2, data2, inp2 = make()
+    out = torch.compile(f, backend=backend)(p2, data2, inp2)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(inp2.grad, inp.grad)
+    assert p2.untyped_storage().nbytes() == 0
