@@ -273,3 +273,21 @@ def test_reshape_of_expanded_input_is_refused_clearly():
     r = _leaf(1, 3)
     with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of input 0 in the trace"):
         aot_function(f, nop)(r.expand((3, 3)))
+
+
+# --- fuzz round 2 (seeds 21-24) ---------------------------------------------------------------------
+
+
+def test_inplace_on_value_saved_for_backward_is_refused():
+    """Seed 23 program 1899: tanh saves its output, which is then clamped in place. Eager's forward
+    runs (the caller's leaf is detach_()ed, so the fuzzer never backprops) but its backward would fail;
+    aotgrad traces the backward ahead of time and crashed with autograd's version-counter error."""
+
+    def f(a):
+        v = a.tanh()
+        a.detach_()
+        v.unsqueeze(-2).clamp_(0, 1)
+        return (a + v,)
+
+    with pytest.raises(UnsupportedMutationError, match="saved for the backward.*output 0 of Tanh"):
+        aot_function(f, nop)(_leaf(1, 3))

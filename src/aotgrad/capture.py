@@ -17,6 +17,7 @@ are no-ops.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -752,7 +753,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     metas = [analysis.meta_of(analysis.unwrap(b)) for b in bases]
     grads_wrt: Sequence = ()
     if diff and wrt:
-        with mode:
+        with mode, _refuse_stale_saved_values():
             grads_wrt = torch.autograd.grad(
                 [fw.fw_functional[i] for i in diff],
                 [funs[k] for k in wrt],
@@ -764,6 +765,29 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     for k, g in zip(wrt, grads_wrt):
         grads[k] = analysis.unwrap(g) if g is not None else None
     return grads, len(diff)
+
+
+@contextlib.contextmanager
+def _refuse_stale_saved_values():
+    """A value autograd saved for the backward was later modified in place: eager's forward runs, but
+    its backward raises (the caller's program often never calls it, e.g. after detach_()). aotgrad
+    traces the backward ahead of time, so it refuses the program instead of crashing."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, AotgradError) or "modified by an inplace operation" not in str(e):
+            raise
+        raise UnsupportedMutationError(
+            "aotgrad: the program modifies in place a value autograd saved for the backward "
+            f"({_saved_value_name(e)}); eager's backward through it "
+            "fails, and aotgrad traces the backward ahead of time. Modify a .clone() of that value instead."
+        ) from e
+
+
+def _saved_value_name(e: RuntimeError) -> str:
+    """'[torch.FloatTensor [1, 3]], which is output 0 of Tanh' out of autograd's version-check message."""
+    first = str(e).splitlines()[0]
+    return first.split("inplace operation: ", 1)[-1].split(", is at version")[0]
 
 
 def _wants_grad(primal, fun) -> bool:
