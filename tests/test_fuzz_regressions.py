@@ -192,7 +192,7 @@ def test_write_through_view_of_overlapping_view_is_refused(body, make):
     location")."""
     f = _function(body)
     f(make())  # fine in eager
-    with pytest.raises(UnsupportedMutationError, match="view of a view whose elements overlap"):
+    with pytest.raises(UnsupportedMutationError, match="whose elements overlap in memory"):
         aot_function(f, nop)(make())
 
 
@@ -291,3 +291,21 @@ def test_inplace_on_value_saved_for_backward_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="saved for the backward.*output 0 of Tanh"):
         aot_function(f, nop)(_leaf(1, 3))
+
+
+def test_write_into_expanded_input_that_requires_grad_is_refused():
+    """Seed 24 program 756: zero_() under no_grad on an expand()ed input that requires grad. The trace
+    sees a dense clone (so the overlap check passed) and the epilogue's copy_ into the caller's
+    overlapping tensor crashed at run time."""
+
+    def f(a):
+        with torch.no_grad():
+            a.zero_()
+        return (a.squeeze(3),)
+
+    def make():
+        r = _leaf(2, 3, 1)
+        return (r,), (r.expand((3, 2, 3, 1)),)
+
+    with pytest.raises(UnsupportedMutationError, match="zero_.*writes into input 0, whose elements overlap"):
+        aot_function(f, nop)(*make()[1])

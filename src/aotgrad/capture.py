@@ -213,9 +213,9 @@ class _Functionalize(FunctionalTensorMode):
                         )
                     if getattr(a, "_aotgrad_in_overlapping", False):
                         raise UnsupportedMutationError(
-                            f"aotgrad: {func} writes through a view of a view whose elements overlap in "
-                            "memory (an input made by expand(), or as_strided with a zero stride); the "
-                            "functional graph cannot scatter the write back into it. Write into a .clone() instead."
+                            f"aotgrad: {func} writes into {_describe_tensor(a)}, whose elements overlap in "
+                            "memory (an input made by expand(), or a view of as_strided with a zero stride); "
+                            "the functional graph cannot scatter the write back into it. Write into a .clone() instead."
                         )
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if args and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func):
@@ -331,6 +331,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         b._aotgrad_caller_leaf = p.requires_grad and p.is_leaf
         b._aotgrad_name = _primal_name(layout, k)
         b._aotgrad_caller_meta = analysis.meta_of(p)  # differs from b's for an expand()ed input
+        # Traced as a dense clone when it requires grad; writes into it must still be refused.
+        b._aotgrad_in_overlapping = _overlaps_itself(*b._aotgrad_caller_meta[:2])
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
