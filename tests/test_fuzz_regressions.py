@@ -309,3 +309,23 @@ def test_write_into_expanded_input_that_requires_grad_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="zero_.*writes into input 0, whose elements overlap"):
         aot_function(f, nop)(*make()[1])
+
+
+@pytest.mark.parametrize(
+    "view", [torch.view_as_real, lambda c: c.real], ids=["view_as_real", "real"]
+)
+def test_mutated_float_views_of_one_complex_tensor(view):
+    """Seeds 21/24 programs 2588/908: two float views of one complex tensor, one mutated. They became
+    one synthetic base, their complex `._base`, and the graph's float as_strided views of it ran out of
+    bounds ("setStorage ... out of bounds"). Now the base is a float view of the whole storage, which
+    shares the caller's version counter."""
+
+    def f(a, b):
+        a[:1].add_(-0.25)
+        return (a + b,)
+
+    def make():
+        c = torch.randn((2, 3), generator=torch.Generator().manual_seed(0), dtype=torch.complex64)
+        return (c,), (view(c), view(c))
+
+    check_against_eager(f, make)
