@@ -178,49 +178,109 @@ class _Functionalize(FunctionalTensorMode):
     `as_strided` with repeated elements) or through views of them: eager's result depends on write
     order, or the functional graph's scatter back into the overlapping view cannot run.
 
-    It also remembers the first in-place metadata op (`t_`, `unsqueeze_`...) on a tensor that has
-    views or is one (`aliased_metadata_op`): functionalization does not follow such tensors' views
-    reliably, so capture turns a trace that then fails into a clear refusal."""
+    In-place metadata ops (`t_`, `unsqueeze_`...): functionalization replays a view taken before such
+    an op on its base with the base's *new* metadata, where eager's view keeps its elements. Each use
+    of a view after such an op checks that the replayed view is still the one the program took
+    (`_check_not_stale`), and the first op on a tensor that has views or is one is remembered
+    (`aliased_metadata_op`) so that capture turns a trace that then fails into a clear refusal."""
 
     def __init__(self):
         super().__init__()
         self.aliased_metadata_op = None
+        self.metadata_ops = 0  # in-place metadata ops so far: views older than the last may be stale
+        self.last_metadata_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.inplace_view in getattr(func, "tags", ()) and self.aliased_metadata_op is None:
-            a = args[0]
-            if a._is_view() or getattr(a, "_aotgrad_has_views", False):
-                self.aliased_metadata_op = (func, _describe_tensor(a))
-        if torch.Tag.inplace_view in getattr(func, "tags", ()) and not torch.is_grad_enabled():
-            a = args[0]
-            if a.requires_grad and (a._is_view() or getattr(a, "_aotgrad_caller_leaf", False)):
-                raise UnsupportedMutationError(
-                    f"aotgrad: {func} under no_grad on a leaf or a view that requires grad: eager's "
-                    "gradients then follow the old metadata, which a functional graph cannot reproduce. "
-                    "Do it outside no_grad, or on a .clone()."
-                )
+        is_metadata_op = torch.Tag.inplace_view in getattr(func, "tags", ())
+        if self.metadata_ops:
+            for a in args:
+                if isinstance(a, FunctionalTensor):
+                    self._check_not_stale(func, a)
+        if is_metadata_op:
+            self._note_metadata_op(func, args[0])
         schema = getattr(func, "_schema", None)
         if schema is not None and not torch._library.utils.is_builtin(func):
             _check_custom_op(func, schema)
-        if schema is not None and schema.is_mutable and torch.Tag.inplace_view not in func.tags:
+        if schema is not None and schema.is_mutable and not is_metadata_op:
             for a, spec in zip(args, schema.arguments):
                 if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor):
-                    if _overlaps_itself(a.shape, a.stride()):
-                        raise UnsupportedMutationError(
-                            f"aotgrad: {func} writes through a view whose elements overlap in memory "
-                            f"(size {tuple(a.shape)}, stride {tuple(a.stride())}, e.g. from expand()); "
-                            "the result would depend on write order. Write into a .clone() instead."
-                        )
-                    if getattr(a, "_aotgrad_in_overlapping", False):
-                        raise UnsupportedMutationError(
-                            f"aotgrad: {func} writes into {_describe_tensor(a)}, whose elements overlap in "
-                            "memory (an input made by expand(), or a view of as_strided with a zero stride); "
-                            "the functional graph cannot scatter the write back into it. Write into a .clone() instead."
-                        )
+                    _check_writable(func, a)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if is_metadata_op:
+            _remember_layout(args[0], self.metadata_ops)
+            if args[0]._is_view():
+                # autograd's view function of this view (and of views taken from it) no longer describes it
+                args[0]._aotgrad_restrided_view = True
         if args and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func):
             _note_views(func, args[0], out)
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, FunctionalTensor):
+                    _remember_layout(t, self.metadata_ops)
         return out
+
+    def _note_metadata_op(self, func, a) -> None:
+        if self.aliased_metadata_op is None and (a._is_view() or getattr(a, "_aotgrad_has_views", False)):
+            self.aliased_metadata_op = (func, _describe_tensor(a))
+        self.metadata_ops += 1
+        self.last_metadata_op = (func, _describe_tensor(a))
+        if not torch.is_grad_enabled() and a.requires_grad and (a._is_view() or getattr(a, "_aotgrad_caller_leaf", False)):
+            raise UnsupportedMutationError(
+                f"aotgrad: {func} under no_grad on a leaf or a view that requires grad: eager's "
+                "gradients then follow the old metadata, which a functional graph cannot reproduce. "
+                "Do it outside no_grad, or on a .clone()."
+            )
+
+    def _check_not_stale(self, func, a: FunctionalTensor) -> None:
+        """Refuse a use of a view that requires grad, taken before an in-place metadata op on a tensor
+        sharing its memory, if autograd (which replays view functions during the trace) would now
+        rebuild it on its base with another size/stride/offset: eager uses the view's own geometry."""
+        remembered = getattr(a, "_aotgrad_layout", None)
+        if remembered is None or remembered == self.metadata_ops or not a.requires_grad or not a._is_view():
+            return
+        replayed = _replayed_on_current_base(a)
+        if replayed == analysis.meta_of(a):
+            a._aotgrad_layout = self.metadata_ops
+            return
+        op, on = self.last_metadata_op
+        raise UnsupportedMutationError(
+            f"aotgrad: {func} uses {_describe_tensor(a)} (size/stride/offset {analysis.meta_of(a)}) taken before "
+            f"the in-place {op} on {on}, which shares its memory; the traced autograd graph would rebuild that "
+            f"view on the new layout ({replayed}), where eager keeps its elements. Take the view after {op}, "
+            "or use the out-of-place op (e.g. t() instead of t_())."
+        )
+
+
+def _replayed_on_current_base(view: FunctionalTensor):
+    """The (size, stride, offset) `view`'s recorded view function gives on its base's current layout
+    (None if it does not apply any more)."""
+    probe = analysis._probe_like(view._base, requires_grad=False)
+    try:
+        with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
+            return analysis.meta_of(view._view_func_unsafe(probe))
+    except (RuntimeError, ValueError, IndexError):
+        return None
+
+
+def _remember_layout(t: FunctionalTensor, epoch: int) -> None:
+    """How many in-place metadata ops the program had made when it last saw view `t` whole (checked by
+    `_Functionalize._check_not_stale`)."""
+    t._aotgrad_layout = epoch
+
+
+def _check_writable(func, a: torch.Tensor) -> None:
+    """Refuse an in-place write into a tensor whose elements overlap in memory, or a view of one."""
+    if _overlaps_itself(a.shape, a.stride()):
+        raise UnsupportedMutationError(
+            f"aotgrad: {func} writes through a view whose elements overlap in memory "
+            f"(size {tuple(a.shape)}, stride {tuple(a.stride())}, e.g. from expand()); "
+            "the result would depend on write order. Write into a .clone() instead."
+        )
+    if getattr(a, "_aotgrad_in_overlapping", False):
+        raise UnsupportedMutationError(
+            f"aotgrad: {func} writes into {_describe_tensor(a)}, whose elements overlap in "
+            "memory (an input made by expand(), or a view of as_strided with a zero stride); "
+            "the functional graph cannot scatter the write back into it. Write into a .clone() instead."
+        )
 
 
 def _describe_tensor(t: torch.Tensor) -> str:
@@ -243,6 +303,8 @@ def _note_views(func, src: torch.Tensor, out) -> None:
         made_overlapping = func is torch.ops.aten.as_strided.default and _overlaps_itself(t.shape, t.stride())
         if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
             t._aotgrad_in_overlapping = True
+        if getattr(src, "_aotgrad_restrided_view", False):
+            t._aotgrad_restrided_view = True
 
 
 def _check_custom_op(func, schema) -> None:
