@@ -329,3 +329,41 @@ def test_mutated_float_views_of_one_complex_tensor(view):
         return (c,), (view(c), view(c))
 
     check_against_eager(f, make)
+
+
+@pytest.mark.parametrize(
+    "body, shape",
+    [
+        # seed 23 program 2914: a write through a diagonal taken before t_() on its base
+        ("v = a.diagonal(-1, 0, 1); a.t_(); v.mul_(0.5); return (a,)", (2, 3)),
+        # seed 22 program 2799: a write through a select taken before squeeze_() on its base
+        ("a.add_(a); v = a.select(0, 0); a.squeeze_(); v.zero_(); return (a.clone(),)", (1, 4)),
+        # seed 22 program 3541: a read of an expand taken before transpose_() on its base
+        ("v = a.expand((2, 2, 2, 4)); a.transpose_(0, 1); return (v * v,)", (2, 2, 4)),
+    ],
+    ids=["write_after_t_", "write_after_squeeze_", "read_after_transpose_"],
+)
+def test_use_of_view_taken_before_inplace_metadata_op_is_refused(body, shape):
+    """The trace replays view functions (view replay is on), so autograd rebuilt such a view's grad_fn
+    (or the CopySlices of a write through it) on the base's *new* layout: silently wrong gradients,
+    where eager uses the view's own geometry."""
+    f = _function(body)
+    f(*_as_clone(*shape)()[1])  # fine in eager
+    with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.*on input 0"):
+        aot_function(f, nop)(*_as_clone(*shape)()[1])
+
+
+def test_view_of_a_view_restrided_in_place_is_rebuilt_with_its_new_layout():
+    """Seed 22 program 1283: `v.t_()` on a view, then an output view of `v`. Autograd's view function
+    of the output predates the t_(); it was replayed and gave the un-transposed strides."""
+
+    def f(a):
+        v = a[:, 2:6:2].mul_(-1)
+        v.t_()
+        return (v.unsqueeze(2),)
+
+    def make():
+        r = _leaf(2, 3, 3, requires_grad=False)
+        return (r,), (r.clone().view((2, 9)),)
+
+    check_against_eager(f, make)

@@ -192,8 +192,10 @@ class _Functionalize(FunctionalTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         is_metadata_op = torch.Tag.inplace_view in getattr(func, "tags", ())
+        is_view_op = bool(args) and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func)
         if self.metadata_ops:
-            for a in args:
+            # A view of a stale view is as stale (it inherits the epoch below): checked where it is used.
+            for a in args[1:] if is_view_op else args:
                 if isinstance(a, FunctionalTensor):
                     self._check_not_stale(func, a)
         if is_metadata_op:
@@ -211,11 +213,12 @@ class _Functionalize(FunctionalTensorMode):
             if args[0]._is_view():
                 # autograd's view function of this view (and of views taken from it) no longer describes it
                 args[0]._aotgrad_restrided_view = True
-        if args and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func):
+        if is_view_op:
             _note_views(func, args[0], out)
+            epoch = getattr(args[0], "_aotgrad_layout", self.metadata_ops)
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, FunctionalTensor):
-                    _remember_layout(t, self.metadata_ops)
+                    _remember_layout(t, epoch)
         return out
 
     def _note_metadata_op(self, func, a) -> None:
@@ -235,8 +238,10 @@ class _Functionalize(FunctionalTensorMode):
         sharing its memory, if autograd (which replays view functions during the trace) would now
         rebuild it on its base with another size/stride/offset: eager uses the view's own geometry."""
         remembered = getattr(a, "_aotgrad_layout", None)
-        if remembered is None or remembered == self.metadata_ops or not a.requires_grad or not a._is_view():
+        if remembered is None or remembered == self.metadata_ops or not a._is_view():
             return
+        if not (a.requires_grad and torch.is_grad_enabled()) or a.numel() == 0:
+            return  # autograd does not rebuild it now, or there is nothing to get wrong
         replayed = _replayed_on_current_base(a)
         if replayed == analysis.meta_of(a):
             a._aotgrad_layout = self.metadata_ops
