@@ -367,3 +367,21 @@ def test_view_of_a_view_restrided_in_place_is_rebuilt_with_its_new_layout():
         return (r,), (r.clone().view((2, 9)),)
 
     check_against_eager(f, make)
+
+
+def test_detach_then_copy_from_tensor_requiring_grad_gives_none_grad():
+    """Seed 24 program 1695: `a.detach_(); a.copy_(b)` makes `a` require grad again (through `b`), so
+    capture did not see the detach_ (autograd handles it above the dispatcher) and the epilogue's copy_
+    kept `a`'s old history: a zero gradient for `a`'s leaf where eager gives None."""
+
+    def f(a0, a1):
+        v = a1.transpose(2, 2)
+        a1.detach_()
+        a1.copy_(a0[2])
+        return (v * a0.view((3, 1)),)
+
+    def make():
+        r0, r1 = _leaf(3, 1, 2, seed=1), _leaf(3, seed=2)
+        return (r0, r1), (r1, r0.clone())
+
+    check_against_eager(f, make)

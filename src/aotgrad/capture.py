@@ -407,7 +407,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     user_leaves = _user_leaves(layout, bases, shifts, mode)
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
-    with mode:
+    with mode, _RecordDetach():
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
 
@@ -447,6 +447,17 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     state["num_tangents"] = num_tangents
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}
     return list(fw.fw_values) + list(grads)
+
+
+class _RecordDetach(torch.overrides.TorchFunctionMode):
+    """Marks tensors the program calls `detach_()` on. autograd handles detach_ above the dispatcher,
+    so functionalization never sees it, and a later `copy_` from a tensor that requires grad makes the
+    input require grad again: without the mark, the epilogue would keep the input's old history."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.detach_ and args:
+            args[0]._aotgrad_detached = True
+        return func(*args, **(kwargs or {}))
 
 
 def _seed_effect_token(mode: FunctionalTensorMode):
@@ -592,8 +603,8 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
                 differentiable = training and m.visible_to_autograd and analysis.is_differentiable(b)
                 idx = _add_fw_value(fw, b, MutatedInputValue(k), differentiable)
                 copies.append(CopyInto(k, idx, grad=differentiable or (m.visible_to_autograd and grad_on)))
-        if p.requires_grad and not b.requires_grad:
-            detaches.append(Detach(k))  # the program called detach_() on it
+        if p.requires_grad and (not b.requires_grad or getattr(b, "_aotgrad_detached", False)):
+            detaches.append(Detach(k))  # the program called detach_() on it (maybe re-attached by a copy_)
         fw.mutations.append(m)
     fw.epilogue[:0] = detaches  # detach_() first: a later copy_ into it is then seen as in eager
     fw.epilogue.extend(copies)
