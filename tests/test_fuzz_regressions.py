@@ -385,3 +385,40 @@ def test_detach_then_copy_from_tensor_requiring_grad_gives_none_grad():
         return (r0, r1), (r1, r0.clone())
 
     check_against_eager(f, make)
+
+
+@pytest.mark.parametrize(
+    "body, shape, make_view",
+    [
+        # seed 21 program 641: zero strides over a 0-d view at offset 1
+        ("return (a.as_strided((3, 1, 1), (0, 0, 2), 1) + -1,)", (2,), lambda c: c.as_strided((), (), 1)),
+        # seed 23 program 4338: zero stride over a row at offset 9
+        ("v = a.as_strided((3, 1, 1), (0, 3, 1), 11); w = a.clone(); return (torch.add(w - v, w, alpha=2),)",
+         (4, 3), lambda c: c.select(0, 3)),
+        # seed 25 program 290: an output built by as_strided at the input's own offset
+        ("return (a.as_strided((), (), 1),)", (2,), lambda c: c[1]),
+    ],
+    ids=["zero_strides_0d", "zero_stride_row", "output_alias"],
+)
+def test_as_strided_offsets_on_views_of_inputs_that_require_grad(body, shape, make_view):
+    """as_strided's offset is absolute in the caller's storage, but an input that requires grad is traced
+    as a clone at offset 0: the backward (and the forward, once the clone stayed in the graph) read other
+    elements. The offset is now rewritten into the clone's coordinates above autograd."""
+    f = _function(body)
+
+    def make():
+        r = _leaf(*shape)
+        return (r,), (make_view(r.clone()),)
+
+    check_against_eager(f, make)
+
+
+def test_as_strided_outside_an_input_that_requires_grad_is_refused():
+    """Reading elements of the caller's storage outside the input cannot be traced on its clone."""
+
+    def f(a):
+        return (a.as_strided((2,), (1,), 0) * 2,)
+
+    r = _leaf(3)
+    with pytest.raises(UnsupportedAliasingError, match="as_strided with storage offset 0 on input 0"):
+        aot_function(f, nop)(r.clone()[1:])

@@ -402,12 +402,15 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         b._aotgrad_in_overlapping = _overlaps_itself(*b._aotgrad_caller_meta[:2])
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
+    for k, b in enumerate(bases):
+        b._aotgrad_primal = (k, shifts[k])
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
     versions = [_version(b) for b in bases]
     user_leaves = _user_leaves(layout, bases, shifts, mode)
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
-    with mode, _RecordDetach():
+    hooks = _TraceHooks()
+    with mode, hooks:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
 
@@ -446,18 +449,73 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     )
     state["num_tangents"] = num_tangents
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}
+    state["in_graph_mutated"] |= hooks.clone_coordinates  # as_strided offsets are relative to the clone
     return list(fw.fw_values) + list(grads)
 
 
-class _RecordDetach(torch.overrides.TorchFunctionMode):
-    """Marks tensors the program calls `detach_()` on. autograd handles detach_ above the dispatcher,
-    so functionalization never sees it, and a later `copy_` from a tensor that requires grad makes the
-    input require grad again: without the mark, the epilogue would keep the input's old history."""
+class _TraceHooks(torch.overrides.TorchFunctionMode):
+    """What the program calls above autograd, where the dispatcher (functionalization) cannot see it.
+
+    `detach_()`: autograd handles it, and a later `copy_` from a tensor that requires grad makes the
+    input require grad again; the mark tells `_analyse_inputs` to detach it in the epilogue.
+
+    `as_strided` family: the storage offset is absolute, but an input that requires grad is traced as
+    a clone at another offset (`shift`). The offset is rewritten into the clone's coordinates before
+    autograd records it (so forward and backward see the elements eager sees), and the clone stays in
+    the graph (`clone_coordinates`): the run-time input is not at the clone's offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.clone_coordinates: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
         if func is torch.Tensor.detach_ and args:
             args[0]._aotgrad_detached = True
-        return func(*args, **(kwargs or {}))
+        if func in _AS_STRIDED and args and isinstance(args[0], FunctionalTensor):
+            args, kwargs = self._in_clone_coordinates(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _in_clone_coordinates(self, func, args, kwargs):
+        bind = _scatter_params if func in _AS_STRIDED_SCATTER else _as_strided_params
+        *lead, size, stride, offset = bind(*args, **kwargs)
+        root = args[0] if args[0]._base is None else args[0]._base
+        k, shift = getattr(root, "_aotgrad_primal", (None, 0))
+        if k is None or shift == 0 or offset is None:
+            return args, kwargs
+        new_offset = None if shift is None else offset - shift
+        if new_offset is None or not _inside(root, size, stride, new_offset):
+            raise UnsupportedAliasingError(
+                f"aotgrad: as_strided with storage offset {offset} on {_describe_tensor(args[0])} addresses "
+                "the caller's storage directly, but aotgrad traces that input (it requires grad) as a copy "
+                "holding only its own elements. Use views relative to the input (slicing, view, select), "
+                "or pass the tensor the view was taken from."
+            )
+        self.clone_coordinates.add(k)
+        return (*lead, size, stride, new_offset), {}
+
+
+def _as_strided_params(self, size, stride, storage_offset=None):
+    return self, size, stride, storage_offset
+
+
+def _scatter_params(self, src, size, stride, storage_offset=None):
+    return self, src, size, stride, storage_offset
+
+
+_AS_STRIDED_SCATTER = (torch.as_strided_scatter, torch.Tensor.as_strided_scatter)
+_AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.Tensor.as_strided_, *_AS_STRIDED_SCATTER)
+
+
+def _inside(clone: torch.Tensor, size, stride, offset: int) -> bool:
+    """Whether an as_strided view of (size, stride, offset) reads only elements of the dense `clone`."""
+    if not is_non_overlapping_and_dense_or_false(clone):
+        return False
+    if not all(size):
+        return 0 <= offset
+    first = clone.storage_offset()
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    return first <= offset and last < first + clone.numel() and all(st >= 0 for st in stride)
 
 
 def _seed_effect_token(mode: FunctionalTensorMode):
@@ -786,7 +844,18 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
         if k in fw.relayout:
             raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")
         chain = replace(chain, as_strided=_shifted(f"output {pos}", shifts[k], *chain.as_strided))
+    if shifts[k]:
+        chain = replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
     return AliasOfPrimal(k, chain)
+
+
+def _in_caller_coordinates(step, shift: int):
+    """An as_strided step recorded on an input's clone (`_TraceHooks` rewrote its offset) replayed on
+    the caller's tensor: back to the caller's storage offsets."""
+    if step.op is not torch.ops.aten.as_strided.default or len(step.args) < 3 or step.args[2] is None:
+        return step
+    size, stride, offset = step.args[:3]
+    return replace(step, args=(size, stride, offset + shift, *step.args[3:]))
 
 
 def _intermediate_chain(pos, o):
