@@ -422,3 +422,25 @@ def test_as_strided_outside_an_input_that_requires_grad_is_refused():
     r = _leaf(3)
     with pytest.raises(UnsupportedAliasingError, match="as_strided with storage offset 0 on input 0"):
         aot_function(f, nop)(r.clone()[1:])
+
+
+@pytest.mark.parametrize(
+    "body, shape, make_view",
+    [
+        # seed 23 program 462: contiguous on the caller's layout (eager returns the view), not in the trace
+        ("return (a[:, -2:2].diagonal(0, 2, 0).contiguous(),)", (3, 3), lambda c: c.expand((2, 3, 3))),
+        # seed 24 program 4666: contiguous in the trace, a zero stride on the caller's layout (eager copies)
+        ("return (a[:].contiguous(),)", (1, 4), lambda c: c.as_strided((3,), (0,), 3)),
+    ],
+    ids=["alias_in_eager", "copy_in_eager"],
+)
+def test_contiguous_of_view_of_overlapping_input_decides_as_eager(body, shape, make_view):
+    """An input that overlaps itself and requires grad is traced as a dense clone, so `.contiguous()`
+    of a view of it copied where eager aliased, or aliased where eager copied (`._base` differed)."""
+    f = _function(body)
+
+    def make():
+        r = _leaf(*shape)
+        return (r,), (make_view(r.clone()),)
+
+    check_against_eager(f, make)

@@ -258,12 +258,8 @@ class _Functionalize(FunctionalTensorMode):
 def _replayed_on_current_base(view: FunctionalTensor):
     """The (size, stride, offset) `view`'s recorded view function gives on its base's current layout
     (None if it does not apply any more)."""
-    probe = analysis._probe_like(view._base, requires_grad=False)
-    try:
-        with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
-            return analysis.meta_of(view._view_func_unsafe(probe))
-    except (RuntimeError, ValueError, IndexError):
-        return None
+    replayed = _replayed_on(view, view._base, None)
+    return None if replayed is None else analysis.meta_of(replayed)
 
 
 def _remember_layout(t: FunctionalTensor, epoch: int) -> None:
@@ -474,6 +470,8 @@ class _TraceHooks(torch.overrides.TorchFunctionMode):
             args[0]._aotgrad_detached = True
         if func in _AS_STRIDED and args and isinstance(args[0], FunctionalTensor):
             args, kwargs = self._in_clone_coordinates(func, args, kwargs)
+        if func is torch.Tensor.contiguous and args and isinstance(args[0], FunctionalTensor):
+            return _contiguous_as_on_caller_layout(args[0], **kwargs)
         return func(*args, **kwargs)
 
     def _in_clone_coordinates(self, func, args, kwargs):
@@ -493,6 +491,35 @@ class _TraceHooks(torch.overrides.TorchFunctionMode):
             )
         self.clone_coordinates.add(k)
         return (*lead, size, stride, new_offset), {}
+
+
+def _contiguous_as_on_caller_layout(t: FunctionalTensor, memory_format=torch.contiguous_format):
+    """`t.contiguous()` as eager decides it. An input that overlaps itself (an expand()) and requires
+    grad is traced as a dense clone, so a view of it may be contiguous in the trace and not on the
+    caller's tensor (eager copies), or the other way round (eager returns `t` itself)."""
+    root = t if t._base is None else t._base
+    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
+    if caller_meta is None or getattr(root, "_aotgrad_primal", (None, 0))[1] is not None:
+        return t.contiguous(memory_format=memory_format)  # traced with the caller's layout
+    eager_view = _replayed_on(t, root, caller_meta)
+    if eager_view is None:
+        return t.contiguous(memory_format=memory_format)
+    if eager_view.is_contiguous(memory_format=memory_format):
+        return t
+    return t.clone(memory_format=memory_format)
+
+
+def _replayed_on(t: FunctionalTensor, root: FunctionalTensor, meta):
+    """A fake stand-in for `t` as a view of `root` laid out as `meta` (default: as now), by replaying
+    `t`'s recorded view function (None if it does not apply)."""
+    probe = analysis._probe_like(root, requires_grad=False, meta=meta)
+    if t is root:
+        return probe
+    try:
+        with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
+            return t._view_func_unsafe(probe)
+    except (RuntimeError, ValueError, IndexError):
+        return None
 
 
 def _as_strided_params(self, size, stride, storage_offset=None):
