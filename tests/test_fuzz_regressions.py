@@ -444,3 +444,21 @@ def test_contiguous_of_view_of_overlapping_input_decides_as_eager(body, shape, m
         return (r,), (make_view(r.clone()),)
 
     check_against_eager(f, make)
+
+
+def test_write_through_view_restrided_in_place_is_refused():
+    """Seed 23 program 3395: a synthetic-base member (a view) is transpose_()d, then written through.
+    Autograd's view function of it predates the transpose_, so the traced CopySlices replayed it on
+    the base without the transpose: silently wrong gradients."""
+
+    def f(a0, a1):
+        a1.transpose_(-1, 0)
+        v = a1.add_(-1)
+        return (v[:, 1].fill_(1.5),)
+
+    def make():
+        c = _leaf(2, 3).clone()
+        return (c.diagonal(0, 0, 1), c)
+
+    with pytest.raises(UnsupportedMutationError, match="add_.*changed in place by.*transpose_"):
+        aot_function(f, nop)(*make())

@@ -195,18 +195,18 @@ class _Functionalize(FunctionalTensorMode):
         is_view_op = bool(args) and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func)
         if self.metadata_ops:
             # A view of a stale view is as stale (it inherits the epoch below): checked where it is used.
+            written = _written_args(func, args)
             for a in args[1:] if is_view_op else args:
                 if isinstance(a, FunctionalTensor):
-                    self._check_not_stale(func, a)
+                    self._check_not_stale(func, a, written=any(a is w for w in written))
         if is_metadata_op:
             self._note_metadata_op(func, args[0])
         schema = getattr(func, "_schema", None)
         if schema is not None and not torch._library.utils.is_builtin(func):
             _check_custom_op(func, schema)
-        if schema is not None and schema.is_mutable and not is_metadata_op:
-            for a, spec in zip(args, schema.arguments):
-                if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor):
-                    _check_writable(func, a)
+        if not is_metadata_op:
+            for a in _written_args(func, args):
+                _check_writable(func, a)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if is_metadata_op:
             _remember_layout(args[0], self.metadata_ops)
@@ -233,26 +233,39 @@ class _Functionalize(FunctionalTensorMode):
                 "Do it outside no_grad, or on a .clone()."
             )
 
-    def _check_not_stale(self, func, a: FunctionalTensor) -> None:
+    def _check_not_stale(self, func, a: FunctionalTensor, *, written: bool) -> None:
         """Refuse a use of a view that requires grad, taken before an in-place metadata op on a tensor
         sharing its memory, if autograd (which replays view functions during the trace) would now
-        rebuild it on its base with another size/stride/offset: eager uses the view's own geometry."""
+        rebuild it on its base with another size/stride/offset: eager uses the view's own geometry.
+        A write through a view whose own layout was changed in place (or a view of one) is checked
+        too: autograd's view function of it predates that change."""
         remembered = getattr(a, "_aotgrad_layout", None)
-        if remembered is None or remembered == self.metadata_ops or not a._is_view():
+        restrided = written and getattr(a, "_aotgrad_restrided_view", False)
+        if remembered is None or (remembered == self.metadata_ops and not restrided) or not a._is_view():
             return
         if not (a.requires_grad and torch.is_grad_enabled()) or a.numel() == 0:
             return  # autograd does not rebuild it now, or there is nothing to get wrong
         replayed = _replayed_on_current_base(a)
-        if replayed == analysis.meta_of(a):
+        if replayed is not None and _same_elements(replayed, analysis.meta_of(a)):
             a._aotgrad_layout = self.metadata_ops
             return
         op, on = self.last_metadata_op
+        when = "changed in place by, or taken from a view changed by," if restrided else "taken before"
         raise UnsupportedMutationError(
-            f"aotgrad: {func} uses {_describe_tensor(a)} (size/stride/offset {analysis.meta_of(a)}) taken before "
-            f"the in-place {op} on {on}, which shares its memory; the traced autograd graph would rebuild that "
-            f"view on the new layout ({replayed}), where eager keeps its elements. Take the view after {op}, "
-            "or use the out-of-place op (e.g. t() instead of t_())."
+            f"aotgrad: {func} uses {_describe_tensor(a)} (size/stride/offset {analysis.meta_of(a)}) {when} "
+            f"the in-place {op} on {on}; the traced autograd graph would rebuild that view from its base as "
+            f"{replayed}, where eager keeps its elements. Use the out-of-place op (e.g. t() instead of t_()), "
+            "or take the view afterwards from a tensor that is not a view."
         )
+
+
+def _same_elements(meta, other) -> bool:
+    """Whether two (size, stride, offset) address the same elements in the same order (size-1
+    dimensions, whose strides mean nothing, left out)."""
+    def key(m):
+        size, stride, offset = m
+        return [(n, st) for n, st in zip(size, stride) if n != 1], offset
+    return key(meta) == key(other)
 
 
 def _replayed_on_current_base(view: FunctionalTensor):
@@ -266,6 +279,17 @@ def _remember_layout(t: FunctionalTensor, epoch: int) -> None:
     """How many in-place metadata ops the program had made when it last saw view `t` whole (checked by
     `_Functionalize._check_not_stale`)."""
     t._aotgrad_layout = epoch
+
+
+def _written_args(func, args) -> list:
+    """The tensor arguments an op writes into (its schema's `Tensor(a!)` arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    return [
+        a for a, spec in zip(args, schema.arguments)
+        if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)
+    ]
 
 
 def _check_writable(func, a: torch.Tensor) -> None:
