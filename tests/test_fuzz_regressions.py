@@ -263,16 +263,25 @@ def test_version_bump_of_input_sharing_storage_with_a_saved_input():
     check_against_eager(f, make)
 
 
-def test_reshape_of_expanded_input_is_refused_clearly():
-    """Seed 3 programs 432, 1635: the trace sees a dense copy of an expand()ed input that requires
-    grad, where reshape is a view; eager's reshape copies. Replaying the view crashed."""
+@pytest.mark.parametrize("mutate_after", [False, True], ids=["returned", "mutated_then_used"])
+def test_reshape_of_expanded_input_copies_as_eager(mutate_after):
+    """Seed 3 programs 432, 1635 (then refused), seed 26 program 1173: the trace sees a dense copy of
+    an expand()ed input that requires grad, where reshape is a view; eager's reshape copies. Replaying
+    the view crashed; a mul_ of it after a no_grad reshape crashed autograd ("view created in no_grad
+    mode"). reshape now decides view-or-copy on the caller's layout."""
 
-    def f(a):
-        return (a.reshape((9,)),)
+    def f(a, b):
+        with torch.no_grad():
+            v = a.reshape((-1,))
+        if mutate_after:
+            v.mul_(b)
+        return (a[:, :1] - v,)
 
-    r = _leaf(1, 3)
-    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of input 0 in the trace"):
-        aot_function(f, nop)(r.expand((3, 3)))
+    def make():
+        r = _leaf(2, seed=3)
+        return (r,), (r.clone().expand((2, 2)), torch.randn(4, generator=torch.Generator().manual_seed(4)))
+
+    check_against_eager(f, make)
 
 
 # --- fuzz round 2 (seeds 21-24) ---------------------------------------------------------------------
@@ -462,3 +471,17 @@ def test_write_through_view_restrided_in_place_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="add_.*changed in place by.*transpose_"):
         aot_function(f, nop)(*make())
+
+
+def test_metadata_op_under_no_grad_on_caller_view_is_refused():
+    """Seed 26 program 237: unsqueeze_() under no_grad on an input that is a view requiring grad. The
+    trace sees a clone (not a view), so the existing refusal missed it and autograd's shape check
+    crashed in the traced backward."""
+
+    def f(a):
+        with torch.no_grad():
+            a.unsqueeze_(1)
+        return (torch.add(a, a, alpha=2),)
+
+    with pytest.raises(UnsupportedMutationError, match="unsqueeze_.*under no_grad on a leaf or a view"):
+        aot_function(f, nop)(_leaf(4, 4, 1).diagonal(-1, 1, 2))

@@ -226,7 +226,8 @@ class _Functionalize(FunctionalTensorMode):
             self.aliased_metadata_op = (func, _describe_tensor(a))
         self.metadata_ops += 1
         self.last_metadata_op = (func, _describe_tensor(a))
-        if not torch.is_grad_enabled() and a.requires_grad and (a._is_view() or getattr(a, "_aotgrad_caller_leaf", False)):
+        caller_leaf_or_view = getattr(a, "_aotgrad_caller_leaf", False) or getattr(a, "_aotgrad_caller_view", False)
+        if not torch.is_grad_enabled() and a.requires_grad and (a._is_view() or caller_leaf_or_view):
             raise UnsupportedMutationError(
                 f"aotgrad: {func} under no_grad on a leaf or a view that requires grad: eager's "
                 "gradients then follow the old metadata, which a functional graph cannot reproduce. "
@@ -416,6 +417,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     _tag_input_clones(bases, funs)
     for k, (p, b) in enumerate(zip(primals, bases)):
         b._aotgrad_caller_leaf = p.requires_grad and p.is_leaf
+        b._aotgrad_caller_view = p.requires_grad and p._is_view()  # traced as a clone, which is not a view
         b._aotgrad_name = _primal_name(layout, k)
         b._aotgrad_caller_meta = analysis.meta_of(p)  # differs from b's for an expand()ed input
         # Traced as a dense clone when it requires grad; writes into it must still be refused.
@@ -496,6 +498,8 @@ class _TraceHooks(torch.overrides.TorchFunctionMode):
             args, kwargs = self._in_clone_coordinates(func, args, kwargs)
         if func is torch.Tensor.contiguous and args and isinstance(args[0], FunctionalTensor):
             return _contiguous_as_on_caller_layout(args[0], **kwargs)
+        if func in (torch.Tensor.reshape, torch.reshape) and args and isinstance(args[0], FunctionalTensor):
+            return _reshape_as_on_caller_layout(func, *args, **kwargs)
         return func(*args, **kwargs)
 
     def _in_clone_coordinates(self, func, args, kwargs):
@@ -531,6 +535,37 @@ def _contiguous_as_on_caller_layout(t: FunctionalTensor, memory_format=torch.con
     if eager_view.is_contiguous(memory_format=memory_format):
         return t
     return t.clone(memory_format=memory_format)
+
+
+def _reshape_as_on_caller_layout(func, t: FunctionalTensor, *shape, **kwargs):
+    """`t.reshape(shape)` as eager decides it (a view, or a copy), for the same reason as
+    `_contiguous_as_on_caller_layout`."""
+    root = t if t._base is None else t._base
+    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else (shape or kwargs.get("shape"))
+    eager_view = None
+    if caller_meta is not None and getattr(root, "_aotgrad_primal", (None, 0))[1] is None:
+        eager_view = _replayed_on(t, root, caller_meta)
+    if eager_view is None:
+        return t.reshape(shape)
+    if _can_view(eager_view, shape):
+        if not _can_view(t, shape):
+            raise UnsupportedAliasingError(
+                f"aotgrad: reshape of {_describe_tensor(t)} is a view on the caller's layout (the input overlaps "
+                "itself, e.g. an expand()) but not on the dense copy aotgrad traces. Reshape a .clone()."
+            )
+        return t.view(shape)
+    return torch.ops.aten._unsafe_view(t.clone(memory_format=torch.contiguous_format), shape)
+
+
+def _can_view(t: torch.Tensor, shape) -> bool:
+    try:
+        with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
+            probe = analysis._probe_like(t, requires_grad=False)
+            probe.view(shape)
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError for an impossible view
+        return False
+    return True
 
 
 def _replayed_on(t: FunctionalTensor, root: FunctionalTensor, meta):
