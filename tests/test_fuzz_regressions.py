@@ -485,3 +485,16 @@ def test_metadata_op_under_no_grad_on_caller_view_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="unsqueeze_.*under no_grad on a leaf or a view"):
         aot_function(f, nop)(_leaf(4, 4, 1).diagonal(-1, 1, 2))
+
+
+def test_detach_of_value_saved_for_backward_is_refused():
+    """Seed 27 program 2318: `a` is saved by a mul, then detach_()ed; eager's backward would fail
+    ("saved tensor that has been detached in-place"), aotgrad's traced backward crashed."""
+
+    def f(a):
+        v = a[0] * a
+        a.detach_()
+        return (v.sin(),)
+
+    with pytest.raises(UnsupportedMutationError, match="saved for the backward"):
+        aot_function(f, nop)(_leaf(2))

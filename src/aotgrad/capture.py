@@ -1004,24 +1004,29 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
 
 @contextlib.contextmanager
 def _refuse_stale_saved_values():
-    """A value autograd saved for the backward was later modified in place: eager's forward runs, but
-    its backward raises (the caller's program often never calls it, e.g. after detach_()). aotgrad
-    traces the backward ahead of time, so it refuses the program instead of crashing."""
+    """A value autograd saved for the backward was later modified in place or detach_()ed: eager's
+    forward runs, but its backward raises (the caller's program often never calls it, e.g. after
+    detach_()). aotgrad traces the backward ahead of time, so it refuses the program instead."""
     try:
         yield
     except RuntimeError as e:
-        if isinstance(e, AotgradError) or "modified by an inplace operation" not in str(e):
+        if isinstance(e, AotgradError) or not any(sign in str(e) for sign in _STALE_SAVED_VALUE):
             raise
         raise UnsupportedMutationError(
-            "aotgrad: the program modifies in place a value autograd saved for the backward "
-            f"({_saved_value_name(e)}); eager's backward through it "
-            "fails, and aotgrad traces the backward ahead of time. Modify a .clone() of that value instead."
+            "aotgrad: the program modifies in place (or detach_()es) a value autograd saved for the "
+            f"backward ({_saved_value_name(e)}); eager's backward through it fails, and aotgrad traces "
+            "the backward ahead of time. Modify (or detach) a .clone() of that value instead."
         ) from e
+
+
+_STALE_SAVED_VALUE = ("modified by an inplace operation", "saved tensor that has been detached in-place")
 
 
 def _saved_value_name(e: RuntimeError) -> str:
     """'[torch.FloatTensor [1, 3]], which is output 0 of Tanh' out of autograd's version-check message."""
     first = str(e).splitlines()[0]
+    if "inplace operation: " not in first:
+        return "a tensor detached in place"
     return first.split("inplace operation: ", 1)[-1].split(", is at version")[0]
 
 
