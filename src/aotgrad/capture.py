@@ -178,10 +178,10 @@ class _Functionalize(FunctionalTensorMode):
     `as_strided` with repeated elements) or through views of them: eager's result depends on write
     order, or the functional graph's scatter back into the overlapping view cannot run.
 
-    In-place metadata ops (`t_`, `unsqueeze_`...): functionalization replays a view taken before such
-    an op on its base with the base's *new* metadata, where eager's view keeps its elements. Each use
-    of a view after such an op checks that the replayed view is still the one the program took
-    (`_check_not_stale`), and the first op on a tensor that has views or is one is remembered
+    In-place metadata ops (`t_`, `unsqueeze_`...): with view replay on, autograd rebuilds a view taken
+    before such an op by replaying its view ops on the base's *new* layout, where eager's view keeps its
+    elements. Each use of a view after such an op checks that the replay still addresses the view's
+    elements (`_check_not_stale`), and the first op on a tensor that has views or is one is remembered
     (`aliased_metadata_op`) so that capture turns a trace that then fails into a clear refusal."""
 
     def __init__(self):
