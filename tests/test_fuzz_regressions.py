@@ -498,3 +498,19 @@ def test_detach_of_value_saved_for_backward_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="saved for the backward"):
         aot_function(f, nop)(_leaf(2))
+
+
+def test_no_grad_dtype_view_of_restrided_intermediate_is_refused():
+    """Seed 34 program 1289: `.real` under no_grad of an intermediate that was squeeze_()d. In eager
+    it is an autograd leaf that requires grad; it cannot be rebuilt as a view (as_strided cannot change
+    dtype), and returning it from the graph as differentiable crashed the traced backward."""
+
+    def f(a):
+        v = a.clone()
+        v.squeeze_(0)
+        with torch.no_grad():
+            r = v.real
+        return (r,)
+
+    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view made under no_grad"):
+        aot_function(f, nop)(_leaf(1, dtype=torch.complex64))

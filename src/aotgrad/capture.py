@@ -965,6 +965,13 @@ def _view_of_intermediate(fw, pos, o, chain, plain_index, training, base_grad):
     """A view of a tensor the graph computes: return the base from the graph, rebuild the view."""
     base = o._base
     if chain is None:
+        if training and o.requires_grad and o.grad_fn is None:
+            raise UnsupportedAliasingError(
+                f"aotgrad: output {pos} is a view made under no_grad (an autograd leaf that requires grad) of "
+                "an intermediate whose layout the program changed in place, with another dtype (e.g. .real); "
+                "aotgrad can neither rebuild it as a view nor return it from the graph as such a leaf. "
+                "Return a .clone() of it, or take the view outside no_grad."
+            )
         return GraphOutput(_add_fw_value(fw, o, UserOutput(pos), training and analysis.is_differentiable(o)))
     idx = plain_index.get(id(base))
     if idx is None:
