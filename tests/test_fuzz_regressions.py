@@ -192,7 +192,7 @@ def test_write_through_view_of_overlapping_view_is_refused(body, make):
     location")."""
     f = _function(body)
     f(make())  # fine in eager
-    with pytest.raises(UnsupportedMutationError, match="view of a view whose elements overlap"):
+    with pytest.raises(UnsupportedMutationError, match="whose elements overlap in memory"):
         aot_function(f, nop)(make())
 
 
@@ -263,13 +263,254 @@ def test_version_bump_of_input_sharing_storage_with_a_saved_input():
     check_against_eager(f, make)
 
 
-def test_reshape_of_expanded_input_is_refused_clearly():
-    """Seed 3 programs 432, 1635: the trace sees a dense copy of an expand()ed input that requires
-    grad, where reshape is a view; eager's reshape copies. Replaying the view crashed."""
+@pytest.mark.parametrize("mutate_after", [False, True], ids=["returned", "mutated_then_used"])
+def test_reshape_of_expanded_input_copies_as_eager(mutate_after):
+    """Seed 3 programs 432, 1635 (then refused), seed 26 program 1173: the trace sees a dense copy of
+    an expand()ed input that requires grad, where reshape is a view; eager's reshape copies. Replaying
+    the view crashed; a mul_ of it after a no_grad reshape crashed autograd ("view created in no_grad
+    mode"). reshape now decides view-or-copy on the caller's layout."""
+
+    def f(a, b):
+        with torch.no_grad():
+            v = a.reshape((-1,))
+        if mutate_after:
+            v.mul_(b)
+        return (a[:, :1] - v,)
+
+    def make():
+        r = _leaf(2, seed=3)
+        return (r,), (r.clone().expand((2, 2)), torch.randn(4, generator=torch.Generator().manual_seed(4)))
+
+    check_against_eager(f, make)
+
+
+# --- fuzz round 2 (seeds 21-24) ---------------------------------------------------------------------
+
+
+def test_inplace_on_value_saved_for_backward_is_refused():
+    """Seed 23 program 1899: tanh saves its output, which is then clamped in place. Eager's forward
+    runs (the caller's leaf is detach_()ed, so the fuzzer never backprops) but its backward would fail;
+    aotgrad traces the backward ahead of time and crashed with autograd's version-counter error."""
 
     def f(a):
-        return (a.reshape((9,)),)
+        v = a.tanh()
+        a.detach_()
+        v.unsqueeze(-2).clamp_(0, 1)
+        return (a + v,)
 
-    r = _leaf(1, 3)
-    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view of input 0 in the trace"):
-        aot_function(f, nop)(r.expand((3, 3)))
+    with pytest.raises(UnsupportedMutationError, match="saved for the backward.*output 0 of Tanh"):
+        aot_function(f, nop)(_leaf(1, 3))
+
+
+def test_write_into_expanded_input_that_requires_grad_is_refused():
+    """Seed 24 program 756: zero_() under no_grad on an expand()ed input that requires grad. The trace
+    sees a dense clone (so the overlap check passed) and the epilogue's copy_ into the caller's
+    overlapping tensor crashed at run time."""
+
+    def f(a):
+        with torch.no_grad():
+            a.zero_()
+        return (a.squeeze(3),)
+
+    def make():
+        r = _leaf(2, 3, 1)
+        return (r,), (r.expand((3, 2, 3, 1)),)
+
+    with pytest.raises(UnsupportedMutationError, match="zero_.*writes into input 0, whose elements overlap"):
+        aot_function(f, nop)(*make()[1])
+
+
+@pytest.mark.parametrize(
+    "view", [torch.view_as_real, lambda c: c.real], ids=["view_as_real", "real"]
+)
+def test_mutated_float_views_of_one_complex_tensor(view):
+    """Seeds 21/24 programs 2588/908: two float views of one complex tensor, one mutated. They became
+    one synthetic base, their complex `._base`, and the graph's float as_strided views of it ran out of
+    bounds ("setStorage ... out of bounds"). Now the base is a float view of the whole storage, which
+    shares the caller's version counter."""
+
+    def f(a, b):
+        a[:1].add_(-0.25)
+        return (a + b,)
+
+    def make():
+        c = torch.randn((2, 3), generator=torch.Generator().manual_seed(0), dtype=torch.complex64)
+        return (c,), (view(c), view(c))
+
+    check_against_eager(f, make)
+
+
+@pytest.mark.parametrize(
+    "body, shape",
+    [
+        # seed 23 program 2914: a write through a diagonal taken before t_() on its base
+        ("v = a.diagonal(-1, 0, 1); a.t_(); v.mul_(0.5); return (a,)", (2, 3)),
+        # seed 22 program 2799: a write through a select taken before squeeze_() on its base
+        ("a.add_(a); v = a.select(0, 0); a.squeeze_(); v.zero_(); return (a.clone(),)", (1, 4)),
+        # seed 22 program 3541: a read of an expand taken before transpose_() on its base
+        ("v = a.expand((2, 2, 2, 4)); a.transpose_(0, 1); return (v * v,)", (2, 2, 4)),
+    ],
+    ids=["write_after_t_", "write_after_squeeze_", "read_after_transpose_"],
+)
+def test_use_of_view_taken_before_inplace_metadata_op_is_refused(body, shape):
+    """The trace replays view functions (view replay is on), so autograd rebuilt such a view's grad_fn
+    (or the CopySlices of a write through it) on the base's *new* layout: silently wrong gradients,
+    where eager uses the view's own geometry."""
+    f = _function(body)
+    f(*_as_clone(*shape)()[1])  # fine in eager
+    with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.*on input 0"):
+        aot_function(f, nop)(*_as_clone(*shape)()[1])
+
+
+def test_view_of_a_view_restrided_in_place_is_rebuilt_with_its_new_layout():
+    """Seed 22 program 1283: `v.t_()` on a view, then an output view of `v`. Autograd's view function
+    of the output predates the t_(); it was replayed and gave the un-transposed strides."""
+
+    def f(a):
+        v = a[:, 2:6:2].mul_(-1)
+        v.t_()
+        return (v.unsqueeze(2),)
+
+    def make():
+        r = _leaf(2, 3, 3, requires_grad=False)
+        return (r,), (r.clone().view((2, 9)),)
+
+    check_against_eager(f, make)
+
+
+def test_detach_then_copy_from_tensor_requiring_grad_gives_none_grad():
+    """Seed 24 program 1695: `a.detach_(); a.copy_(b)` makes `a` require grad again (through `b`), so
+    capture did not see the detach_ (autograd handles it above the dispatcher) and the epilogue's copy_
+    kept `a`'s old history: a zero gradient for `a`'s leaf where eager gives None."""
+
+    def f(a0, a1):
+        v = a1.transpose(2, 2)
+        a1.detach_()
+        a1.copy_(a0[2])
+        return (v * a0.view((3, 1)),)
+
+    def make():
+        r0, r1 = _leaf(3, 1, 2, seed=1), _leaf(3, seed=2)
+        return (r0, r1), (r1, r0.clone())
+
+    check_against_eager(f, make)
+
+
+@pytest.mark.parametrize(
+    "body, shape, make_view",
+    [
+        # seed 21 program 641: zero strides over a 0-d view at offset 1
+        ("return (a.as_strided((3, 1, 1), (0, 0, 2), 1) + -1,)", (2,), lambda c: c.as_strided((), (), 1)),
+        # seed 23 program 4338: zero stride over a row at offset 9
+        ("v = a.as_strided((3, 1, 1), (0, 3, 1), 11); w = a.clone(); return (torch.add(w - v, w, alpha=2),)",
+         (4, 3), lambda c: c.select(0, 3)),
+        # seed 25 program 290: an output built by as_strided at the input's own offset
+        ("return (a.as_strided((), (), 1),)", (2,), lambda c: c[1]),
+    ],
+    ids=["zero_strides_0d", "zero_stride_row", "output_alias"],
+)
+def test_as_strided_offsets_on_views_of_inputs_that_require_grad(body, shape, make_view):
+    """as_strided's offset is absolute in the caller's storage, but an input that requires grad is traced
+    as a clone at offset 0: the backward (and the forward, once the clone stayed in the graph) read other
+    elements. The offset is now rewritten into the clone's coordinates above autograd."""
+    f = _function(body)
+
+    def make():
+        r = _leaf(*shape)
+        return (r,), (make_view(r.clone()),)
+
+    check_against_eager(f, make)
+
+
+def test_as_strided_outside_an_input_that_requires_grad_is_refused():
+    """Reading elements of the caller's storage outside the input cannot be traced on its clone."""
+
+    def f(a):
+        return (a.as_strided((2,), (1,), 0) * 2,)
+
+    r = _leaf(3)
+    with pytest.raises(UnsupportedAliasingError, match="as_strided with storage offset 0 on input 0"):
+        aot_function(f, nop)(r.clone()[1:])
+
+
+@pytest.mark.parametrize(
+    "body, shape, make_view",
+    [
+        # seed 23 program 462: contiguous on the caller's layout (eager returns the view), not in the trace
+        ("return (a[:, -2:2].diagonal(0, 2, 0).contiguous(),)", (3, 3), lambda c: c.expand((2, 3, 3))),
+        # seed 24 program 4666: contiguous in the trace, a zero stride on the caller's layout (eager copies)
+        ("return (a[:].contiguous(),)", (1, 4), lambda c: c.as_strided((3,), (0,), 3)),
+    ],
+    ids=["alias_in_eager", "copy_in_eager"],
+)
+def test_contiguous_of_view_of_overlapping_input_decides_as_eager(body, shape, make_view):
+    """An input that overlaps itself and requires grad is traced as a dense clone, so `.contiguous()`
+    of a view of it copied where eager aliased, or aliased where eager copied (`._base` differed)."""
+    f = _function(body)
+
+    def make():
+        r = _leaf(*shape)
+        return (r,), (make_view(r.clone()),)
+
+    check_against_eager(f, make)
+
+
+def test_write_through_view_restrided_in_place_is_refused():
+    """Seed 23 program 3395: a synthetic-base member (a view) is transpose_()d, then written through.
+    Autograd's view function of it predates the transpose_, so the traced CopySlices replayed it on
+    the base without the transpose: silently wrong gradients."""
+
+    def f(a0, a1):
+        a1.transpose_(-1, 0)
+        v = a1.add_(-1)
+        return (v[:, 1].fill_(1.5),)
+
+    def make():
+        c = _leaf(2, 3).clone()
+        return (c.diagonal(0, 0, 1), c)
+
+    with pytest.raises(UnsupportedMutationError, match="add_.*changed in place by.*transpose_"):
+        aot_function(f, nop)(*make())
+
+
+def test_metadata_op_under_no_grad_on_caller_view_is_refused():
+    """Seed 26 program 237: unsqueeze_() under no_grad on an input that is a view requiring grad. The
+    trace sees a clone (not a view), so the existing refusal missed it and autograd's shape check
+    crashed in the traced backward."""
+
+    def f(a):
+        with torch.no_grad():
+            a.unsqueeze_(1)
+        return (torch.add(a, a, alpha=2),)
+
+    with pytest.raises(UnsupportedMutationError, match="unsqueeze_.*under no_grad on a leaf or a view"):
+        aot_function(f, nop)(_leaf(4, 4, 1).diagonal(-1, 1, 2))
+
+
+def test_detach_of_value_saved_for_backward_is_refused():
+    """Seed 27 program 2318: `a` is saved by a mul, then detach_()ed; eager's backward would fail
+    ("saved tensor that has been detached in-place"), aotgrad's traced backward crashed."""
+
+    def f(a):
+        v = a[0] * a
+        a.detach_()
+        return (v.sin(),)
+
+    with pytest.raises(UnsupportedMutationError, match="saved for the backward"):
+        aot_function(f, nop)(_leaf(2))
+
+
+def test_no_grad_dtype_view_of_restrided_intermediate_is_refused():
+    """Seed 34 program 1289: `.real` under no_grad of an intermediate that was squeeze_()d. In eager
+    it is an autograd leaf that requires grad; it cannot be rebuilt as a view (as_strided cannot change
+    dtype), and returning it from the graph as differentiable crashed the traced backward."""
+
+    def f(a):
+        v = a.clone()
+        v.squeeze_(0)
+        with torch.no_grad():
+            r = v.real
+        return (r,)
+
+    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view made under no_grad"):
+        aot_function(f, nop)(_leaf(1, dtype=torch.complex64))

@@ -343,6 +343,19 @@ class _Gen:
         for s in self.body:
             self._exec(s)
 
+    def _replay_or_trim(self) -> None:
+        """Replay the body; where eager's replay of it raises (eager's view/no_grad checks depend on
+        more state than the statements record, e.g. seed 27 program 615), drop trailing statements
+        until it replays: the program stays eager-valid instead of crashing the generator."""
+        while True:
+            try:
+                self._replay()
+                return
+            except Exception:
+                if not self.body:
+                    raise
+                self.body.pop()
+
     def _exec(self, s: Stmt | NoGrad) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -360,7 +373,7 @@ class _Gen:
         try:
             self._exec(s)
         except Exception:
-            self._replay()
+            self._replay_or_trim()
             return False
         if not torch.is_grad_enabled():  # pragma: no cover - defensive
             torch.set_grad_enabled(True)

@@ -151,13 +151,22 @@ def _synthetic_base_source(leaves: Sequence[Any], group: Sequence[int]):
             "pass separate tensors (clone one of them)."
         )
     roots = {id(m._base if m._base is not None else m) for m in members}
-    if len(roots) == 1:
-        head = members[0]
+    head = members[0]
+    # A base of another dtype (view_as_real, .real of a complex tensor) cannot hold the members as
+    # strided views in their own element units.
+    same_dtype_base = head._base is None or head._base.dtype == head.dtype
+    if len(roots) == 1 and same_dtype_base:
         if head._base is not None:
             return BaseOfLeaf(group[0])
         return FromLeaf(group[0])
     if not any(m.requires_grad for m in members):
         return StorageOfLeaf(group[0])
+    if not same_dtype_base:
+        raise UnsupportedAliasingError(
+            f"aotgrad: inputs {list(group)} share one storage, one of them is mutated and requires grad, and "
+            f"they are views of a {head._base.dtype} tensor while they are {head.dtype} (e.g. view_as_real); "
+            "pass separate tensors (clone one of them)."
+        )
     raise UnsupportedAliasingError(
         f"aotgrad: inputs {list(group)} overlap in memory, one of them is mutated, and they do not come "
         "from one autograd base (e.g. they were made with .detach() or under no_grad). Pass views of "
@@ -166,9 +175,12 @@ def _synthetic_base_source(leaves: Sequence[Any], group: Sequence[int]):
 
 
 def storage_base(t: torch.Tensor) -> torch.Tensor:
-    """A flat 1-D tensor over all of `t`'s storage (used as a synthetic base without autograd)."""
+    """A flat 1-D tensor over all of `t`'s storage (used as a synthetic base without autograd).
+
+    A view of `t.detach()`, so it shares `t`'s version counter: the epilogue's writes into it bump the
+    caller's tensors as eager's in-place ops on them do."""
     n = t.untyped_storage().nbytes() // t.element_size()
-    return t.new_empty(0).set_(t.untyped_storage(), 0, (n,), (1,))
+    return t.detach().as_strided((n,), (1,), 0)
 
 
 def primal_values(layout: InputLayout, leaves: Sequence[Any]) -> list[torch.Tensor]:
