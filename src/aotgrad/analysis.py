@@ -209,7 +209,7 @@ def view_chain(
             grad_steps = len(views)
         elif not all(_is_view_backward(n) for n in names):
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
-    restrided_on_the_way = getattr(out, "_aotgrad_restrided_view", False)  # set by capture._Functionalize
+    restrided_on_the_way = getattr(out, "_aotgrad_restrided_view", False)  # set by trace_modes.Functionalize
     if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem) or restrided_on_the_way:
         # the recorded view function predates an in-place view op on the base, on `out` itself or on a
         # view `out` was taken from

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 from torch._higher_order_ops.effects import _EffectType as EffectType
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -71,6 +70,7 @@ from .plan import (
     SetToPrimal,
     UserOutput,
 )
+from .trace_modes import Functionalize, TraceHooks, overlaps_itself
 from .tracer import LeanTracer
 
 INPUT_CLONE = "aotgrad_input_clone"
@@ -173,196 +173,6 @@ def capture(
     return Captured(gm, state["plan"], num_tangents=state["num_tangents"])
 
 
-class _Functionalize(FunctionalTensorMode):
-    """Functionalization that refuses in-place writes through self-overlapping views (`expand`,
-    `as_strided` with repeated elements) or through views of them: eager's result depends on write
-    order, or the functional graph's scatter back into the overlapping view cannot run.
-
-    In-place metadata ops (`t_`, `unsqueeze_`...): with view replay on, autograd rebuilds a view taken
-    before such an op by replaying its view ops on the base's *new* layout, where eager's view keeps its
-    elements. Each use of a view after such an op checks that the replay still addresses the view's
-    elements (`_check_not_stale`), and the first op on a tensor that has views or is one is remembered
-    (`aliased_metadata_op`) so that capture turns a trace that then fails into a clear refusal."""
-
-    def __init__(self):
-        super().__init__()
-        self.aliased_metadata_op = None
-        self.metadata_ops = 0  # in-place metadata ops so far: views older than the last may be stale
-        self.last_metadata_op = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        is_metadata_op = torch.Tag.inplace_view in getattr(func, "tags", ())
-        is_view_op = bool(args) and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func)
-        if self.metadata_ops:
-            # A view of a stale view is as stale (it inherits the epoch below): checked where it is used.
-            written = _written_args(func, args)
-            for a in args[1:] if is_view_op else args:
-                if isinstance(a, FunctionalTensor):
-                    self._check_not_stale(func, a, written=any(a is w for w in written))
-        if is_metadata_op:
-            self._note_metadata_op(func, args[0])
-        schema = getattr(func, "_schema", None)
-        if schema is not None and not torch._library.utils.is_builtin(func):
-            _check_custom_op(func, schema)
-        if not is_metadata_op:
-            for a in _written_args(func, args):
-                _check_writable(func, a)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if is_metadata_op:
-            _remember_layout(args[0], self.metadata_ops)
-            if args[0]._is_view():
-                # autograd's view function of this view (and of views taken from it) no longer describes it
-                args[0]._aotgrad_restrided_view = True
-        if is_view_op:
-            _note_views(func, args[0], out)
-            epoch = getattr(args[0], "_aotgrad_layout", self.metadata_ops)
-            for t in out if isinstance(out, (list, tuple)) else (out,):
-                if isinstance(t, FunctionalTensor):
-                    _remember_layout(t, epoch)
-        return out
-
-    def _note_metadata_op(self, func, a) -> None:
-        if self.aliased_metadata_op is None and (a._is_view() or getattr(a, "_aotgrad_has_views", False)):
-            self.aliased_metadata_op = (func, _describe_tensor(a))
-        self.metadata_ops += 1
-        self.last_metadata_op = (func, _describe_tensor(a))
-        caller_leaf_or_view = getattr(a, "_aotgrad_caller_leaf", False) or getattr(a, "_aotgrad_caller_view", False)
-        if not torch.is_grad_enabled() and a.requires_grad and (a._is_view() or caller_leaf_or_view):
-            raise UnsupportedMutationError(
-                f"aotgrad: {func} under no_grad on a leaf or a view that requires grad: eager's "
-                "gradients then follow the old metadata, which a functional graph cannot reproduce. "
-                "Do it outside no_grad, or on a .clone()."
-            )
-
-    def _check_not_stale(self, func, a: FunctionalTensor, *, written: bool) -> None:
-        """Refuse a use of a view that requires grad, taken before an in-place metadata op on a tensor
-        sharing its memory, if autograd (which replays view functions during the trace) would now
-        rebuild it on its base with another size/stride/offset: eager uses the view's own geometry.
-        A write through a view whose own layout was changed in place (or a view of one) is checked
-        too: autograd's view function of it predates that change."""
-        remembered = getattr(a, "_aotgrad_layout", None)
-        restrided = written and getattr(a, "_aotgrad_restrided_view", False)
-        if remembered is None or (remembered == self.metadata_ops and not restrided) or not a._is_view():
-            return
-        if not (a.requires_grad and torch.is_grad_enabled()) or a.numel() == 0:
-            return  # autograd does not rebuild it now, or there is nothing to get wrong
-        replayed = _replayed_on_current_base(a)
-        if replayed is not None and _same_elements(replayed, analysis.meta_of(a)):
-            a._aotgrad_layout = self.metadata_ops
-            return
-        op, on = self.last_metadata_op
-        when = "changed in place by, or taken from a view changed by," if restrided else "taken before"
-        raise UnsupportedMutationError(
-            f"aotgrad: {func} uses {_describe_tensor(a)} (size/stride/offset {analysis.meta_of(a)}) {when} "
-            f"the in-place {op} on {on}; the traced autograd graph would rebuild that view from its base as "
-            f"{replayed}, where eager keeps its elements. Use the out-of-place op (e.g. t() instead of t_()), "
-            "or take the view afterwards from a tensor that is not a view."
-        )
-
-
-def _same_elements(meta, other) -> bool:
-    """Whether two (size, stride, offset) address the same elements in the same order (size-1
-    dimensions, whose strides mean nothing, left out)."""
-    def key(m):
-        size, stride, offset = m
-        return [(n, st) for n, st in zip(size, stride) if n != 1], offset
-    return key(meta) == key(other)
-
-
-def _replayed_on_current_base(view: FunctionalTensor):
-    """The (size, stride, offset) `view`'s recorded view function gives on its base's current layout
-    (None if it does not apply any more)."""
-    replayed = _replayed_on(view, view._base, None)
-    return None if replayed is None else analysis.meta_of(replayed)
-
-
-def _remember_layout(t: FunctionalTensor, epoch: int) -> None:
-    """How many in-place metadata ops the program had made when it last saw view `t` whole (checked by
-    `_Functionalize._check_not_stale`)."""
-    t._aotgrad_layout = epoch
-
-
-def _written_args(func, args) -> list:
-    """The tensor arguments an op writes into (its schema's `Tensor(a!)` arguments)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    return [
-        a for a, spec in zip(args, schema.arguments)
-        if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)
-    ]
-
-
-def _check_writable(func, a: torch.Tensor) -> None:
-    """Refuse an in-place write into a tensor whose elements overlap in memory, or a view of one."""
-    if _overlaps_itself(a.shape, a.stride()):
-        raise UnsupportedMutationError(
-            f"aotgrad: {func} writes through a view whose elements overlap in memory "
-            f"(size {tuple(a.shape)}, stride {tuple(a.stride())}, e.g. from expand()); "
-            "the result would depend on write order. Write into a .clone() instead."
-        )
-    if getattr(a, "_aotgrad_in_overlapping", False):
-        raise UnsupportedMutationError(
-            f"aotgrad: {func} writes into {_describe_tensor(a)}, whose elements overlap in "
-            "memory (an input made by expand(), or a view of as_strided with a zero stride); "
-            "the functional graph cannot scatter the write back into it. Write into a .clone() instead."
-        )
-
-
-def _describe_tensor(t: torch.Tensor) -> str:
-    """'input 0', 'a view of input 0' or 'an intermediate', for error messages."""
-    name = getattr(t, "_aotgrad_name", None) or getattr(t._base, "_aotgrad_name", None)
-    if name is None:
-        return "an intermediate"
-    return name if getattr(t, "_aotgrad_name", None) else f"a view of {name}"
-
-
-def _note_views(func, src: torch.Tensor, out) -> None:
-    """Mark `src` as having views, and the views a write through which functionalization cannot scatter
-    back: those of a self-overlapping `as_strided` result (its inverse, as_strided_scatter, refuses to
-    write overlapping elements) or of a self-overlapping input (the epilogue's copy_ into it would)."""
-    src._aotgrad_has_views = True
-    outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
-    caller_meta = getattr(src, "_aotgrad_caller_meta", None)
-    overlapping_input = caller_meta is not None and _overlaps_itself(*caller_meta[:2])
-    for t in outs:
-        made_overlapping = func is torch.ops.aten.as_strided.default and _overlaps_itself(t.shape, t.stride())
-        if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
-            t._aotgrad_in_overlapping = True
-        if getattr(src, "_aotgrad_restrided_view", False):
-            t._aotgrad_restrided_view = True
-
-
-def _check_custom_op(func, schema) -> None:
-    """A custom op is functionalized by torch's auto-functionalization (a functional call that returns
-    new values for the mutated arguments) unless it brings its own functionalization kernel. Refuse,
-    naming the op, the schemas that neither covers, before torch fails with a less direct message."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.Functionalize):
-        return
-    if schema.is_mutable and can_auto_functionalize(func):
-        return
-    aliased = [r for r in schema.returns if r.alias_info is not None]
-    if aliased:
-        raise UnsupportedMutationError(
-            f"aotgrad: custom operator {func} returns an alias of an argument ({schema}); functionalization "
-            "cannot follow it. Return a new tensor (no alias annotation on the return), or nothing."
-        )
-    if schema.is_mutable:
-        raise UnsupportedMutationError(
-            f"aotgrad: custom operator {func} mutates an argument of a type auto-functionalization does not "
-            f"handle ({schema}). Declare mutated arguments as Tensor(a!), Tensor(a!)? or Tensor(a!)[]."
-        )
-
-
-def _overlaps_itself(size, stride) -> bool:
-    extent = 0
-    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz > 1):
-        if st <= extent:
-            return True
-        extent += st * (sz - 1)
-    return False
-
-
 def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
     """Run `traced` recording aten calls: with the lean recorder (tracer.py) when it can, else make_fx."""
     recorder = LeanTracer(list(fake_primals), decompositions)
@@ -409,7 +219,7 @@ _FUNCTIONALIZATION_LIMITS = (
 
 
 def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, storage_groups):
-    mode = state["functionalize"] = _Functionalize()
+    mode = state["functionalize"] = Functionalize()
     with mode:
         initial_token = _seed_effect_token(mode)
         funs = [FunctionalTensor.to_functional(p) for p in primals]
@@ -421,7 +231,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         b._aotgrad_name = _primal_name(layout, k)
         b._aotgrad_caller_meta = analysis.meta_of(p)  # differs from b's for an expand()ed input
         # Traced as a dense clone when it requires grad; writes into it must still be refused.
-        b._aotgrad_in_overlapping = _overlaps_itself(*b._aotgrad_caller_meta[:2])
+        b._aotgrad_in_overlapping = overlaps_itself(*b._aotgrad_caller_meta[:2])
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
     for k, b in enumerate(bases):
@@ -431,7 +241,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     user_leaves = _user_leaves(layout, bases, shifts, mode)
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
-    hooks = _TraceHooks()
+    hooks = TraceHooks()
     with mode, hooks:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
@@ -473,135 +283,6 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}
     state["in_graph_mutated"] |= hooks.clone_coordinates  # as_strided offsets are relative to the clone
     return list(fw.fw_values) + list(grads)
-
-
-class _TraceHooks(torch.overrides.TorchFunctionMode):
-    """What the program calls above autograd, where the dispatcher (functionalization) cannot see it.
-
-    `detach_()`: autograd handles it, and a later `copy_` from a tensor that requires grad makes the
-    input require grad again; the mark tells `_analyse_inputs` to detach it in the epilogue.
-
-    `as_strided` family: the storage offset is absolute, but an input that requires grad is traced as
-    a clone at another offset (`shift`). The offset is rewritten into the clone's coordinates before
-    autograd records it (so forward and backward see the elements eager sees), and the clone stays in
-    the graph (`clone_coordinates`): the run-time input is not at the clone's offset."""
-
-    def __init__(self):
-        super().__init__()
-        self.clone_coordinates: set[int] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.detach_ and args:
-            args[0]._aotgrad_detached = True
-        if func in _AS_STRIDED and args and isinstance(args[0], FunctionalTensor):
-            args, kwargs = self._in_clone_coordinates(func, args, kwargs)
-        if func is torch.Tensor.contiguous and args and isinstance(args[0], FunctionalTensor):
-            return _contiguous_as_on_caller_layout(args[0], **kwargs)
-        if func in (torch.Tensor.reshape, torch.reshape) and args and isinstance(args[0], FunctionalTensor):
-            return _reshape_as_on_caller_layout(func, *args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _in_clone_coordinates(self, func, args, kwargs):
-        bind = _scatter_params if func in _AS_STRIDED_SCATTER else _as_strided_params
-        *lead, size, stride, offset = bind(*args, **kwargs)
-        root = args[0] if args[0]._base is None else args[0]._base
-        k, shift = getattr(root, "_aotgrad_primal", (None, 0))
-        if k is None or shift == 0 or offset is None:
-            return args, kwargs
-        new_offset = None if shift is None else offset - shift
-        if new_offset is None or not _inside(root, size, stride, new_offset):
-            raise UnsupportedAliasingError(
-                f"aotgrad: as_strided with storage offset {offset} on {_describe_tensor(args[0])} addresses "
-                "the caller's storage directly, but aotgrad traces that input (it requires grad) as a copy "
-                "holding only its own elements. Use views relative to the input (slicing, view, select), "
-                "or pass the tensor the view was taken from."
-            )
-        self.clone_coordinates.add(k)
-        return (*lead, size, stride, new_offset), {}
-
-
-def _contiguous_as_on_caller_layout(t: FunctionalTensor, memory_format=torch.contiguous_format):
-    """`t.contiguous()` as eager decides it. An input that overlaps itself (an expand()) and requires
-    grad is traced as a dense clone, so a view of it may be contiguous in the trace and not on the
-    caller's tensor (eager copies), or the other way round (eager returns `t` itself)."""
-    root = t if t._base is None else t._base
-    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
-    if caller_meta is None or getattr(root, "_aotgrad_primal", (None, 0))[1] is not None:
-        return t.contiguous(memory_format=memory_format)  # traced with the caller's layout
-    eager_view = _replayed_on(t, root, caller_meta)
-    if eager_view is None:
-        return t.contiguous(memory_format=memory_format)
-    if eager_view.is_contiguous(memory_format=memory_format):
-        return t
-    return t.clone(memory_format=memory_format)
-
-
-def _reshape_as_on_caller_layout(func, t: FunctionalTensor, *shape, **kwargs):
-    """`t.reshape(shape)` as eager decides it (a view, or a copy), for the same reason as
-    `_contiguous_as_on_caller_layout`."""
-    root = t if t._base is None else t._base
-    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
-    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else (shape or kwargs.get("shape"))
-    eager_view = None
-    if caller_meta is not None and getattr(root, "_aotgrad_primal", (None, 0))[1] is None:
-        eager_view = _replayed_on(t, root, caller_meta)
-    if eager_view is None:
-        return t.reshape(shape)
-    if _can_view(eager_view, shape):
-        if not _can_view(t, shape):
-            raise UnsupportedAliasingError(
-                f"aotgrad: reshape of {_describe_tensor(t)} is a view on the caller's layout (the input overlaps "
-                "itself, e.g. an expand()) but not on the dense copy aotgrad traces. Reshape a .clone()."
-            )
-        return t.view(shape)
-    return torch.ops.aten._unsafe_view(t.clone(memory_format=torch.contiguous_format), shape)
-
-
-def _can_view(t: torch.Tensor, shape) -> bool:
-    try:
-        with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
-            probe = analysis._probe_like(t, requires_grad=False)
-            probe.view(shape)
-    except (RuntimeError, ValueError):  # fake tensors raise ValueError for an impossible view
-        return False
-    return True
-
-
-def _replayed_on(t: FunctionalTensor, root: FunctionalTensor, meta):
-    """A fake stand-in for `t` as a view of `root` laid out as `meta` (default: as now), by replaying
-    `t`'s recorded view function (None if it does not apply)."""
-    probe = analysis._probe_like(root, requires_grad=False, meta=meta)
-    if t is root:
-        return probe
-    try:
-        with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
-            return t._view_func_unsafe(probe)
-    except (RuntimeError, ValueError, IndexError):
-        return None
-
-
-def _as_strided_params(self, size, stride, storage_offset=None):
-    return self, size, stride, storage_offset
-
-
-def _scatter_params(self, src, size, stride, storage_offset=None):
-    return self, src, size, stride, storage_offset
-
-
-_AS_STRIDED_SCATTER = (torch.as_strided_scatter, torch.Tensor.as_strided_scatter)
-_AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.Tensor.as_strided_, *_AS_STRIDED_SCATTER)
-
-
-def _inside(clone: torch.Tensor, size, stride, offset: int) -> bool:
-    """Whether an as_strided view of (size, stride, offset) reads only elements of the dense `clone`."""
-    if not is_non_overlapping_and_dense_or_false(clone):
-        return False
-    if not all(size):
-        return 0 <= offset
-    first = clone.storage_offset()
-    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
-    return first <= offset and last < first + clone.numel() and all(st >= 0 for st in stride)
 
 
 def _seed_effect_token(mode: FunctionalTensorMode):
@@ -936,7 +617,7 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
 
 
 def _in_caller_coordinates(step, shift: int):
-    """An as_strided step recorded on an input's clone (`_TraceHooks` rewrote its offset) replayed on
+    """An as_strided step recorded on an input's clone (`trace_modes.TraceHooks` rewrote its offset) replayed on
     the caller's tensor: back to the caller's storage offsets."""
     if step.op is not torch.ops.aten.as_strided.default or len(step.args) < 3 or step.args[2] is None:
         return step
