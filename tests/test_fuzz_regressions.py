@@ -514,3 +514,21 @@ def test_no_grad_dtype_view_of_restrided_intermediate_is_refused():
 
     with pytest.raises(UnsupportedAliasingError, match="output 0 is a view made under no_grad"):
         aot_function(f, nop)(_leaf(1, dtype=torch.complex64))
+
+
+def test_as_strided_offset_on_input_view_after_its_data_mutation():
+    """seed 41 program 36821: a data mutation replaces the functional value of an input at storage
+    offset 1 by a fresh tensor at offset 0; an absolute as_strided offset taken afterwards must be
+    shifted onto that value."""
+
+    def make_inputs():
+        torch.manual_seed(0)
+        r = torch.randn(3)
+        return (r,), (r[1:3],)
+
+    def f(x):
+        x.mul_(x)
+        x.as_strided((1,), (0,), 1).add_(-0.25)
+        return x * 2
+
+    check_against_eager(f, make_inputs)

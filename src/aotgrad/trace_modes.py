@@ -247,6 +247,8 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         *lead, size, stride, offset = bind(*args, **kwargs)
         root = args[0] if args[0]._base is None else args[0]._base
         k, shift = getattr(root, "_aotgrad_primal", (None, 0))
+        if k is not None and shift == 0 and offset is not None:
+            return self._in_value_coordinates(args, kwargs, lead, size, stride, offset, root)
         if k is None or shift == 0 or offset is None:
             return args, kwargs
         new_offset = None if shift is None else offset - shift
@@ -259,6 +261,24 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             )
         self.clone_coordinates.add(k)
         return (*lead, size, stride, new_offset), {}
+
+    @staticmethod
+    def _in_value_coordinates(args, kwargs, lead, size, stride, offset, root):
+        """An input traced as itself keeps the caller's storage offset until a data mutation replaces
+        its functional value by a fresh tensor (offset 0): functionalization then applies the absolute
+        offset to that tensor. Shift it by the same amount; refuse when the value's layout differs."""
+        torch._sync(root)
+        value = torch._from_functional_tensor(root.elem)
+        drift = root.storage_offset() - value.storage_offset()
+        if drift == 0:
+            return args, kwargs
+        if tuple(value.stride()) != tuple(root.stride()):
+            raise UnsupportedAliasingError(
+                f"aotgrad: as_strided with storage offset {offset} on {_describe_tensor(args[0])} after a data "
+                "mutation of that input, whose functional copy has another layout; the absolute offset has no "
+                "meaning there. Use views relative to the input (slicing, view, select)."
+            )
+        return (*lead, size, stride, offset - drift), {}
 
 
 def _contiguous_as_on_caller_layout(t: FunctionalTensor, memory_format=torch.contiguous_format):
