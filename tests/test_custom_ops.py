@@ -424,30 +424,31 @@ def test_reinplacing_never_writes_into_an_input_that_is_read_later():
 # -- FSDP-style ops kept in the graph -----------------------------------------------------------------
 
 
-def test_resize_and_fsdp_copy_stay_in_graph_in_order():
+def fsdp_step(p, data, inp):
     """FSDP's pattern: an unsharded parameter with no storage is resized, filled, used, freed."""
+    torch.ops.inductor.resize_storage_bytes_(p, p.numel() * 4)
+    torch.ops.fsdp.copy_(p, data)
+    out = inp * p.sum(0)
+    torch.ops.inductor.resize_storage_bytes_(p, 0)
+    return out
 
-    def f(p, data, inp):
-        torch.ops.inductor.resize_storage_bytes_(p, p.numel() * 4)
-        torch.ops.fsdp.copy_(p, data)
-        out = inp * p.sum(0)
-        torch.ops.inductor.resize_storage_bytes_(p, 0)
-        return out
 
-    def make():
-        torch.manual_seed(0)
-        p = torch.empty(3, 3)
-        p.untyped_storage().resize_(0)
-        return p, torch.randn(3, 3), torch.randn(2, 3, requires_grad=True)
+def fsdp_inputs():
+    torch.manual_seed(0)
+    p = torch.empty(3, 3)
+    p.untyped_storage().resize_(0)
+    return p, torch.randn(3, 3), torch.randn(2, 3, requires_grad=True)
 
-    p, data, inp = make()
-    ref = f(p, data, inp)
+
+def test_resize_and_fsdp_copy_stay_in_graph_in_order():
+    p, data, inp = fsdp_inputs()
+    ref = fsdp_step(p, data, inp)
     ref.sum().backward()
     resize, copy_ = torch.ops.inductor.resize_storage_bytes_.default, torch.ops.fsdp.copy_.default
     for part in (aotgrad.default_partition, aotgrad.min_cut_rematerialization_partition):
         rec = Recorder()
-        compiled = aot_function(f, rec, partition_fn=part)
-        p2, data2, inp2 = make()
+        compiled = aot_function(fsdp_step, rec, partition_fn=part)
+        p2, data2, inp2 = fsdp_inputs()
         out = compiled(p2, data2, inp2)
         out.sum().backward()
         torch.testing.assert_close(out, ref)
@@ -521,25 +522,12 @@ def test_mutating_one_piece_of_a_split():
 
 @pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
 def test_fsdp_pattern_through_torch_compile(backend):
-    def f(p, data, inp):
-        torch.ops.inductor.resize_storage_bytes_(p, p.numel() * 4)
-        torch.ops.fsdp.copy_(p, data)
-        out = inp * p.sum(0)
-        torch.ops.inductor.resize_storage_bytes_(p, 0)
-        return out
-
-    def make():
-        torch.manual_seed(0)
-        p = torch.empty(3, 3)
-        p.untyped_storage().resize_(0)
-        return p, torch.randn(3, 3), torch.randn(2, 3, requires_grad=True)
-
-    p, data, inp = make()
-    ref = f(p, data, inp)
+    p, data, inp = fsdp_inputs()
+    ref = fsdp_step(p, data, inp)
     ref.sum().backward()
     torch._dynamo.reset()
-    p2, data2, inp2 = make()
-    out = torch.compile(f, backend=backend)(p2, data2, inp2)
+    p2, data2, inp2 = fsdp_inputs()
+    out = torch.compile(fsdp_step, backend=backend)(p2, data2, inp2)
     out.sum().backward()
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(inp2.grad, inp.grad)
