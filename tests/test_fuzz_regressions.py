@@ -532,3 +532,36 @@ def test_as_strided_offset_on_input_view_after_its_data_mutation():
         return x * 2
 
     check_against_eager(f, make_inputs)
+
+
+def test_as_strided_offset_on_detached_alias_of_mutated_input():
+    """seed 41 program 12163 (and seed 42 programs 9905, 15525, 33825 for the view/alias variants):
+    as_strided with an absolute offset on a .detach()ed alias of an input at a non-zero storage
+    offset, after the input's data was mutated, crashed at run time (setStorage out of bounds)."""
+
+    def make_inputs():
+        torch.manual_seed(0)
+        r = torch.randn(4)
+        return (r,), (r.select(0, -2),)
+
+    def f(x):
+        alias = x.t().detach()
+        x.mul_(0.5)
+        picked = alias.as_strided((), (), 2)
+        y = x.t()
+        y.copy_(picked)
+        return y
+
+    check_against_eager(f, make_inputs)
+
+    def g(x):
+        piece = x.split(1, 0)[0]
+        x.mul_(x)
+        return x.view(-1) + 2 * piece.as_strided((1, 1), (3, 3), 6)
+
+    def make_rows():
+        torch.manual_seed(0)
+        r = torch.randn(3, 3)
+        return (r,), (r.as_strided((1, 3), (3, 1), 5),)
+
+    check_against_eager(g, make_rows)

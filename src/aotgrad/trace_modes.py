@@ -240,12 +240,16 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             return _contiguous_as_on_caller_layout(args[0], **kwargs)
         if func in (torch.Tensor.reshape, torch.reshape) and args and isinstance(args[0], FunctionalTensor):
             return _reshape_as_on_caller_layout(func, *args, **kwargs)
+        if func in (torch.Tensor.detach, torch.detach) and args and isinstance(args[0], FunctionalTensor):
+            out = func(*args, **kwargs)
+            out._aotgrad_alias_of = _alias_root(args[0])  # detach() has no ._base, yet shares storage
+            return out
         return func(*args, **kwargs)
 
     def _in_clone_coordinates(self, func, args, kwargs):
         bind = _scatter_params if func in _AS_STRIDED_SCATTER else _as_strided_params
         *lead, size, stride, offset = bind(*args, **kwargs)
-        root = args[0] if args[0]._base is None else args[0]._base
+        root = _alias_root(args[0])
         k, shift = getattr(root, "_aotgrad_primal", (None, 0))
         if k is not None and shift == 0 and offset is not None:
             return self._in_value_coordinates(args, kwargs, lead, size, stride, offset, root)
@@ -279,6 +283,12 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
                 "meaning there. Use views relative to the input (slicing, view, select)."
             )
         return (*lead, size, stride, offset - drift), {}
+
+
+def _alias_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `t` views: its `._base`, seen through `.detach()` aliases too."""
+    root = t if t._base is None else t._base
+    return getattr(root, "_aotgrad_alias_of", root)
 
 
 def _contiguous_as_on_caller_layout(t: FunctionalTensor, memory_format=torch.contiguous_format):
