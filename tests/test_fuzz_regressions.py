@@ -565,3 +565,13 @@ def test_as_strided_offset_on_detached_alias_of_mutated_input():
         return (r,), (r.as_strided((1, 3), (3, 1), 5),)
 
     check_against_eager(g, make_rows)
+
+
+def test_view_possible_only_on_the_callers_expanded_layout_is_refused():
+    """seed 42 program 23288: view() of a transposed expand()ed input that requires grad is possible
+    on the caller's layout but not on the dense copy aotgrad traces; it crashed inside the trace."""
+    base = torch.randn(2, 1, 2, requires_grad=True)
+    x = base.clone().expand(2, 3, 2)
+    compiled = aot_function(lambda t: t.transpose(1, 0).view(3, -1) * 2, nop)
+    with pytest.raises(UnsupportedAliasingError, match="view"):
+        compiled(x)

@@ -240,6 +240,8 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             return _contiguous_as_on_caller_layout(args[0], **kwargs)
         if func in (torch.Tensor.reshape, torch.reshape) and args and isinstance(args[0], FunctionalTensor):
             return _reshape_as_on_caller_layout(func, *args, **kwargs)
+        if func is torch.Tensor.view and args and isinstance(args[0], FunctionalTensor):
+            return _view_or_refuse(func, args, kwargs)
         if func in (torch.Tensor.detach, torch.detach) and args and isinstance(args[0], FunctionalTensor):
             out = func(*args, **kwargs)
             out._aotgrad_alias_of = _alias_root(args[0])  # detach() has no ._base, yet shares storage
@@ -283,6 +285,21 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
                 "meaning there. Use views relative to the input (slicing, view, select)."
             )
         return (*lead, size, stride, offset - drift), {}
+
+
+def _view_or_refuse(func, args, kwargs):
+    """`view()` of a tensor traced as the dense copy of a self-overlapping input (an expand()ed input
+    that requires grad) can fail where the caller's layout allows it: refuse that clearly."""
+    try:
+        return func(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        if not getattr(_alias_root(args[0]), "_aotgrad_in_overlapping", False):
+            raise
+        raise UnsupportedAliasingError(
+            f"aotgrad: view() of {_describe_tensor(args[0])}: the input overlaps itself (e.g. an expand()) "
+            "and requires grad, so aotgrad traces it as a dense copy, where this view is impossible "
+            f"({str(e).splitlines()[0]}). Use reshape(), or view a .clone()."
+        ) from e
 
 
 def _alias_root(t: torch.Tensor) -> torch.Tensor:
