@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from helpers import BwMutatesBuffer
 
 import aotgrad
 from aotgrad import aot_function, aot_module, make_boxed_compiler, nop
@@ -511,24 +512,9 @@ def test_custom_function_traced_through():
     check_against_eager(lambda x, y: Scale.apply(x, y), leaf_inputs((4,), (4,)))
 
 
-class _BwMutatesBuffer(torch.autograd.Function):
-    """Like Float8 scaling: the backward updates a buffer that does not require grad."""
-
-    @staticmethod
-    def forward(ctx, x, buf):
-        ctx.save_for_backward(buf)
-        return x * buf
-
-    @staticmethod
-    def backward(ctx, g):
-        (buf,) = ctx.saved_tensors
-        buf.add_(1)
-        return g * buf, None
-
-
 def test_backward_mutation_of_input_not_requiring_grad():
     def f(x, buf):
-        return _BwMutatesBuffer.apply(x, buf).sin()
+        return BwMutatesBuffer.apply(x, buf).sin()
 
     def make():
         x = torch.linspace(-1, 1, 4).requires_grad_(True)
@@ -548,7 +534,7 @@ def test_backward_mutation_of_input_not_requiring_grad():
 
 def test_backward_mutation_of_input_requiring_grad_raises():
     def f(x, buf):
-        return _BwMutatesBuffer.apply(x, buf)
+        return BwMutatesBuffer.apply(x, buf)
 
     with pytest.raises(aotgrad.BackwardMutationError, match="input 1"):
         aot_function(f, nop)(torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import BwMutatesBuffer
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import aotgrad
@@ -187,23 +188,10 @@ def test_modules_train_steps(pf):
             torch.testing.assert_close(c, b, msg=name)
 
 
-class _BwMutatesBuffer(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, buf):
-        ctx.save_for_backward(buf)
-        return x * buf
-
-    @staticmethod
-    def backward(ctx, g):
-        (buf,) = ctx.saved_tensors
-        buf.add_(1)
-        return g * buf, None
-
-
 @EVERY
 def test_backward_mutation_stays_in_backward(pf):
     def f(x, buf):
-        return _BwMutatesBuffer.apply(x, buf).sin()
+        return BwMutatesBuffer.apply(x, buf).sin()
 
     def run(fn):
         x = torch.linspace(-1, 1, 4).requires_grad_(True)

@@ -92,7 +92,7 @@ def compile_training(
     )
 
 
-def writable_inputs(plan: Plan, gm: torch.fx.GraphModule) -> list[int]:
+def _writable_inputs(plan: Plan, gm: torch.fx.GraphModule) -> list[int]:
     """Graph inputs a compiled graph may mutate in place: those whose only epilogue action is a copy
     of their new value that autograd does not record (a plain data mutation of a tensor that does
     not require grad). The run time then skips that copy (`CompiledForward.written_in_place`)."""
@@ -116,7 +116,7 @@ def _reinplace_for(compiler: Callable, gm: torch.fx.GraphModule, plan: Plan) -> 
     value the graph now leaves in the primal itself, so the epilogue's copy would be a no-op."""
     if takes_functional_graphs(compiler):
         return frozenset()
-    writable = writable_inputs(plan, gm)
+    writable = _writable_inputs(plan, gm)
     if not reinplace(gm, writable):
         return frozenset()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
