@@ -469,7 +469,8 @@ def test_write_through_view_restrided_in_place_is_refused():
         c = _leaf(2, 3).clone()
         return (c.diagonal(0, 0, 1), c)
 
-    with pytest.raises(UnsupportedMutationError, match="add_.*changed in place by.*transpose_"):
+    # Now refused earlier, at the transpose_ of an input that another input views.
+    with pytest.raises(UnsupportedMutationError, match="transpose_.* on input 1, which shares memory"):
         aot_function(f, nop)(*make())
 
 
@@ -575,3 +576,115 @@ def test_view_possible_only_on_the_callers_expanded_layout_is_refused():
     compiled = aot_function(lambda t: t.transpose(1, 0).view(3, -1) * 2, nop)
     with pytest.raises(UnsupportedAliasingError, match="view"):
         compiled(x)
+
+
+# --- session 3: aliased inputs, detach_() of tensors with views, no_grad metadata ops ---------------
+
+
+def _clone_and_view(view, *shape, seed=0):
+    """make_inputs: a non-leaf clone that requires grad, and a view of it, passed as two inputs."""
+
+    def make():
+        r = _leaf(*shape, seed=seed)
+        c = r.clone()
+        return (r,), (c, view(c))
+
+    return make
+
+
+def test_no_grad_metadata_op_on_non_leaf_input_is_refused():
+    """Seed 41 program 38206: eager's t_() under no_grad on an input that requires grad leaves its
+    autograd history on the old layout (gradients come back transposed); the graph cannot follow."""
+
+    def f(a):
+        v = a + a
+        with torch.no_grad():
+            a.t_()
+        a.unsqueeze_(1)
+        return v.squeeze()[:, :1]
+
+    with pytest.raises(UnsupportedMutationError, match=r"both under no_grad and with grad on"):
+        aot_function(f, nop)(_as_clone(3, 3)()[1][0])
+
+
+@pytest.mark.parametrize("op", [lambda t: t.squeeze_(1), lambda t: t.t_()], ids=["squeeze_", "t_"])
+def test_metadata_op_on_input_sharing_memory_with_another_is_refused(op):
+    """Seeds 41/51 programs 588, 19040 (and the crash 42/28647): an in-place metadata op on an input
+    whose memory another input views; eager rebuilds the other's autograd view on the new layout."""
+
+    def f(a, b):
+        op(a)
+        a.mul_(2)
+        return b
+
+    make = _clone_and_view(lambda c: c.t(), 2, 1)
+    with pytest.raises(UnsupportedMutationError, match=r"shares memory with another input"):
+        aot_function(f, nop)(*make()[1])
+
+
+def test_detach_in_place_of_tensor_with_views_is_refused():
+    """Seeds 41/42 programs 28390, 20481: eager's detach_() leaves views already taken with their
+    gradient history; the functional graph rebuilt them from the detached value (no grad)."""
+
+    def f(x, y):
+        v = y.detach()
+        v.copy_(x)
+        piece = v.split(1, 0)[3]
+        v.detach_()
+        return piece
+
+    with pytest.raises(UnsupportedAliasingError, match=r"aliases input 1, which \(or a .detach\(\) of which\) the program detach_\(\)es"):
+        aot_function(f, nop)(_leaf(4), _leaf(4, seed=1))
+
+
+def test_inplace_write_into_input_whose_view_is_another_input():
+    """Seed 41 program 13849: two inputs sharing memory (a tensor and a reshape of it) are traced as
+    views of one base; after a write through one, autograd took the other (not a view in eager) for a
+    leaf and refused its in-place op."""
+
+    def f(a, x, b):
+        b.add_(x)
+        a.add_(-0.25)
+        return (x.select(0, 1) * x.reshape(-1)).detach()
+
+    def make():
+        r0 = _leaf(2)
+        c1 = _leaf(2, 4, requires_grad=False, seed=1)
+        return (r0,), (c1, r0, c1.reshape(2, 2, 2))
+
+    check_against_eager(f, make)
+
+
+def test_no_grad_view_of_input_sharing_memory_then_detach_is_refused():
+    """Seed 51 program 10950: a view taken under no_grad of one of two inputs sharing memory, a write
+    through it with grad on, then detach_() of the other input: traced apart, autograd raised inside
+    the trace; as one base, the detach_() is refused by name."""
+
+    def f(a0, a1, a2):
+        with torch.no_grad():
+            v0 = a2.t()
+        a2.sin_()
+        a1.detach_()
+        return v0.reshape(-1).detach(), a0
+
+    def make():
+        r1 = _leaf(4)
+        c1 = r1.clone()
+        return (r1,), (_leaf(2, requires_grad=False, seed=2), c1, c1.as_strided((), (), 3))
+
+    with pytest.raises(UnsupportedMutationError, match=r"detach_\(\) of .*shares memory"):
+        aot_function(f, nop)(*make()[1])
+
+
+def test_dtype_view_of_input_whose_alias_is_restrided_is_refused():
+    """Seed 42 program 28647: an output that is a complex->real view of an input (not rebuildable as a
+    view chain) was returned from the graph as a plain output, while another input sharing its memory
+    was unsqueeze_()d: the epilogue's restride then broke the output's autograd view at run time."""
+
+    def f(a0, a1):
+        a1.unsqueeze_(-1)
+        return (torch.view_as_real(a0.as_strided((), (), 1)),)
+
+    c0 = _leaf(3, dtype=torch.complex64).clone()
+    with pytest.raises(UnsupportedAliasingError, match="output 0 aliases input 0, which the program also mutates"):
+        aot_function(f, nop)(c0, c0.view(-1))

@@ -146,6 +146,10 @@ def capture(
     except (RuntimeError, ValueError, IndexError) as e:
         if isinstance(e, AotgradError):
             raise
+        if storage_groups:
+            # Inputs sharing memory were traced apart, which eager's aliasing checks (views taken
+            # under no_grad, leaves written through views) can trip on: retry them as one base.
+            raise NeedsSyntheticBase([list(g) for g in storage_groups]) from e
         mode = state.get("functionalize")
         if mode is not None and mode.aliased_metadata_op is not None:
             op, what = mode.aliased_metadata_op
@@ -238,7 +242,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         b._aotgrad_primal = (k, shifts[k])
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
     versions = [_version(b) for b in bases]
-    user_leaves = _user_leaves(layout, bases, shifts, mode)
+    user_leaves = _user_leaves(layout, leaves, bases, shifts, mode)
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
     hooks = TraceHooks()
@@ -339,7 +343,7 @@ def _no_storage_coordinates(what: str) -> AotgradError:
     )
 
 
-def _user_leaves(layout: InputLayout, bases, shifts, mode) -> list:
+def _user_leaves(layout: InputLayout, leaves, bases, shifts, mode) -> list:
     """The flat arguments the program sees: graph inputs, constants and views of synthetic bases."""
     out = []
     for i in range(layout.num_leaves):
@@ -349,7 +353,11 @@ def _user_leaves(layout: InputLayout, bases, shifts, mode) -> list:
             v = layout.leaf_views[i]
             shift = shifts[v.primal] or 0
             with mode:
-                out.append(bases[v.primal].as_strided(v.size, v.stride, v.offset - shift))
+                view = bases[v.primal].as_strided(v.size, v.stride, v.offset - shift)
+            view._aotgrad_shares_input_memory = True
+            view._aotgrad_name = f"input {i}"
+            view._aotgrad_caller_not_view = not leaves[i]._is_view()
+            out.append(view)
         else:
             out.append(bases[layout.leaf_primal[i]])
     # Duplicated synthetic-base members must stay the same object.
@@ -516,7 +524,8 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
             if chain is not None:
                 sources[pos] = AliasOfOutput(q, chain)
                 continue
-        source = _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, training)
+        name = f"output {pos}" if pos < len(flat_out) else "the .detach() of an input that an output views"
+        source = _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, training)
         if source is None:
             pending.append(pos)
         sources[pos] = source
@@ -568,12 +577,12 @@ def _is_graph_value(source) -> bool:
     return isinstance(source, (tuple, GraphOutput, InputItself)) or source is None
 
 
-def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, training):
+def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, training):
     """The source of one output, ("plain", o) for a graph output, or None for a view of an
     intermediate (decided later)."""
     if not isinstance(o, torch.Tensor):
         if isinstance(o, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise UnsupportedOutputError(f"aotgrad: output {pos} is a symbolic number; return a tensor.")
+            raise UnsupportedOutputError(f"aotgrad: {name} is a symbolic number; return a tensor.")
         return Constant(o)
     if not isinstance(o, FunctionalTensor):
         return ("plain", o)
@@ -581,36 +590,40 @@ def _classify_output(fw, layout, pos, o, leaf_of, base_storage, bases, shifts, t
         return InputItself(leaf_of[id(o)])
     if training and o.requires_grad and o.is_leaf and o._base is None:
         raise UnsupportedOutputError(
-            f"aotgrad: output {pos} is a leaf tensor created inside the program with requires_grad=True; "
+            f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True; "
             "aotgrad can only return tensors computed from the inputs. Pass it in as an input."
         )
     k = base_storage.get(analysis.storage_id(o))
     if k is None:
         return None if o._base is not None else ("plain", o)
     m = fw.mutations[k]
-    if any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue):
+    detached_in_place = any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue) or any(
+        getattr(t, "_aotgrad_alias_detached", False) for t in (bases[k], o._base)
+    )
+    if detached_in_place:
         raise UnsupportedAliasingError(
-            f"aotgrad: output {pos} aliases {_primal_name(layout, k)}, which the program detach_()es; "
+            f"aotgrad: {name} aliases {_primal_name(layout, k)}, which (or a .detach() of which) the program "
+            "detach_()es; "
             "aotgrad cannot tell views taken before the detach from views taken after. Return a .clone()."
         )
     chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
     if chain is None:
-        if m.any:
+        if m.any or k in fw.restrided:
             raise UnsupportedAliasingError(
-                f"aotgrad: output {pos} aliases {_primal_name(layout, k)}, which the program also mutates, "
+                f"aotgrad: {name} aliases {_primal_name(layout, k)}, which the program also mutates, "
                 "and it cannot be rebuilt as a view of it. Return a .clone()."
             )
         return ("plain", o)
     if shifts[k] is None and not analysis.replays_on_layout(chain, bases[k], bases[k]._aotgrad_caller_meta):
         raise UnsupportedAliasingError(
-            f"aotgrad: output {pos} is a view of {_primal_name(layout, k)} in the trace, which sees a dense "
+            f"aotgrad: {name} is a view of {_primal_name(layout, k)} in the trace, which sees a dense "
             "copy of that input, but not on the input itself (it overlaps itself in memory, e.g. an expand(), "
             "so eager's reshape copies). Pass a .contiguous() input, or return a .clone()."
         )
     if chain.as_strided is not None:
         if k in fw.relayout:
-            raise _no_storage_coordinates(f"output {pos} (a view of {_primal_name(layout, k)})")
-        chain = replace(chain, as_strided=_shifted(f"output {pos}", shifts[k], *chain.as_strided))
+            raise _no_storage_coordinates(f"{name} (a view of {_primal_name(layout, k)})")
+        chain = replace(chain, as_strided=_shifted(f"{name}", shifts[k], *chain.as_strided))
     if shifts[k]:
         chain = replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
     return AliasOfPrimal(k, chain)

@@ -78,6 +78,12 @@ class Functionalize(FunctionalTensorMode):
             self.aliased_metadata_op = (func, _describe_tensor(a))
         self.metadata_ops += 1
         self.last_metadata_op = (func, _describe_tensor(a))
+        if getattr(a, "_aotgrad_shares_input_memory", False) and getattr(a, "_aotgrad_caller_not_view", False):
+            raise UnsupportedMutationError(
+                f"aotgrad: {func} on {_describe_tensor(a)}, which shares memory with another input: eager's "
+                "autograd then rebuilds the other input's views on the new metadata, which a functional graph "
+                "cannot reproduce. Pass a .clone(), or use the out-of-place op (e.g. t() instead of t_())."
+            )
         caller_leaf_or_view = getattr(a, "_aotgrad_caller_leaf", False) or getattr(a, "_aotgrad_caller_view", False)
         if not torch.is_grad_enabled() and a.requires_grad and (a._is_view() or caller_leaf_or_view):
             raise UnsupportedMutationError(
@@ -85,6 +91,17 @@ class Functionalize(FunctionalTensorMode):
                 "gradients then follow the old metadata, which a functional graph cannot reproduce. "
                 "Do it outside no_grad, or on a .clone()."
             )
+        if hasattr(a, "_aotgrad_primal") and func.overloadpacket not in _STORAGE_OPS and a.requires_grad:
+            # The epilogue restrides the caller's tensor once, either inside autograd or outside it.
+            a._aotgrad_metadata_grad_modes = getattr(a, "_aotgrad_metadata_grad_modes", set()) | {
+                torch.is_grad_enabled()
+            }
+            if len(a._aotgrad_metadata_grad_modes) == 2:
+                raise UnsupportedMutationError(
+                    f"aotgrad: {func} on {_describe_tensor(a)}, which requires grad and gets in-place metadata "
+                    "ops both under no_grad and with grad on: eager's gradients then follow the layout the "
+                    "grad-mode ops saw, which the graph cannot reproduce. Do them all in one mode, or on a .clone()."
+                )
 
     def _check_not_stale(self, func, a: FunctionalTensor, *, written: bool) -> None:
         """Refuse a use of a view that requires grad, taken before an in-place metadata op on a tensor
@@ -96,7 +113,7 @@ class Functionalize(FunctionalTensorMode):
         restrided = written and getattr(a, "_aotgrad_restrided_view", False)
         if remembered is None or (remembered == self.metadata_ops and not restrided) or not a._is_view():
             return
-        if not (a.requires_grad and torch.is_grad_enabled()) or a.numel() == 0:
+        if not (torch.is_grad_enabled() and _requires_grad(a)) or a.numel() == 0:
             return  # autograd does not rebuild it now, or there is nothing to get wrong
         replayed = _replayed_on_current_base(a)
         if replayed is not None and _same_elements(replayed, analysis.meta_of(a)):
@@ -110,6 +127,18 @@ class Functionalize(FunctionalTensorMode):
             f"{replayed}, where eager keeps its elements. Use the out-of-place op (e.g. t() instead of t_()), "
             "or take the view afterwards from a tensor that is not a view."
         )
+
+
+_STORAGE_OPS = (torch.ops.aten.set_, torch.ops.aten.resize_, torch.ops.aten.resize_as_)
+
+
+def _requires_grad(view: torch.Tensor) -> bool:
+    """`view.requires_grad`, without the error autograd raises for a view taken under no_grad whose
+    base was then written with grad on: eager raises that only where the program itself asks."""
+    try:
+        return view.requires_grad
+    except RuntimeError:
+        return False
 
 
 def _same_elements(meta, other) -> bool:
@@ -233,7 +262,15 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.detach_ and args:
+            _check_detach_in_place(args[0])
             args[0]._aotgrad_detached = True
+            # A detach() alias of an input, detached in place: views of it are views of the input.
+            _alias_root(args[0])._aotgrad_alias_detached = True
+        if args and getattr(args[0], "_aotgrad_caller_not_view", False):
+            # Traced as a view of a synthetic base, where the caller's tensor is not a view: refresh the
+            # view's autograd history after a write to its base, which eager never needs for a non-view
+            # (without it autograd takes the view for a leaf and refuses in-place ops on it).
+            args[0].grad_fn  # noqa: B018
         if func in _AS_STRIDED and args and isinstance(args[0], FunctionalTensor):
             args, kwargs = self._in_clone_coordinates(func, args, kwargs)
         if func is torch.Tensor.contiguous and args and isinstance(args[0], FunctionalTensor):
@@ -300,6 +337,16 @@ def _view_or_refuse(func, args, kwargs):
             "and requires grad, so aotgrad traces it as a dense copy, where this view is impossible "
             f"({str(e).splitlines()[0]}). Use reshape(), or view a .clone()."
         ) from e
+
+
+def _check_detach_in_place(t: torch.Tensor) -> None:
+    """An input sharing memory with another input is traced as a view of a synthetic base, which it is
+    not in eager: autograd would not let go of the other input's history the way eager's detach_() does."""
+    if getattr(t, "_aotgrad_shares_input_memory", False):
+        raise UnsupportedMutationError(
+            f"aotgrad: detach_() of {_describe_tensor(t)}, which shares memory with another input. Use "
+            "detach() (out of place), or pass inputs that do not share memory."
+        )
 
 
 def _alias_root(t: torch.Tensor) -> torch.Tensor:
