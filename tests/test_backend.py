@@ -394,3 +394,34 @@ def test_public_names():
     assert callable(aotgrad.backend)
     assert backend_module.aotgrad_backend is aotgrad.aotgrad_backend
     assert aotgrad.config.fallback_to_eager is False
+
+
+@pytest.mark.parametrize("backend", ["aotgrad", "fx"])
+def test_batchnorm_running_stats_written_by_the_training_graph(backend):
+    """Under torch.compile, the forward graph itself ends with copy_s into BatchNorm's running stats
+    (as upstream's does, so Inductor fuses the update); they and the grads equal eager's, and the
+    stats' version counters move as in eager."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    mod = copy.deepcopy(ref)
+    chosen = "aotgrad" if backend == "aotgrad" else aotgrad.backend(fw_compiler=keep, bw_compiler=aotgrad.nop)
+    compiled = torch.compile(mod, backend=chosen)
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(2):
+        before = mod[1].running_mean._version
+        compiled(x).sum().backward()
+        ref(x).sum().backward()
+        assert mod[1].running_mean._version > before
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(mod[1], name), getattr(ref[1], name))
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    if graphs:
+        copies = [n for n in graphs[0].graph.nodes if n.target is torch.ops.aten.copy_.default]
+        assert len(copies) == 3  # running_mean, running_var, num_batches_tracked

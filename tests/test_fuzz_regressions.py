@@ -501,7 +501,7 @@ def test_detach_of_value_saved_for_backward_is_refused():
         aot_function(f, nop)(_leaf(2))
 
 
-def test_no_grad_dtype_view_of_restrided_intermediate_is_refused():
+def test_no_grad_dtype_view_of_restrided_intermediate():
     """Seed 34 program 1289: `.real` under no_grad of an intermediate that was squeeze_()d. In eager
     it is an autograd leaf that requires grad; it cannot be rebuilt as a view (as_strided cannot change
     dtype), and returning it from the graph as differentiable crashed the traced backward."""
@@ -513,8 +513,9 @@ def test_no_grad_dtype_view_of_restrided_intermediate_is_refused():
             r = v.real
         return (r,)
 
-    with pytest.raises(UnsupportedAliasingError, match="output 0 is a view made under no_grad"):
-        aot_function(f, nop)(_leaf(1, dtype=torch.complex64))
+    # Was refused; the recorded view chain (squeeze_ of a 1-element tensor leaves `.real`'s geometry
+    # as it was) now rebuilds it exactly.
+    check_against_eager(f, _as_leaf(1, dtype=torch.complex64))
 
 
 def test_as_strided_offset_on_input_view_after_its_data_mutation():
@@ -676,7 +677,7 @@ def test_no_grad_view_of_input_sharing_memory_then_detach_is_refused():
         aot_function(f, nop)(*make()[1])
 
 
-def test_dtype_view_of_input_whose_alias_is_restrided_is_refused():
+def test_dtype_view_of_input_whose_alias_is_restrided():
     """Seed 42 program 28647: an output that is a complex->real view of an input (not rebuildable as a
     view chain) was returned from the graph as a plain output, while another input sharing its memory
     was unsqueeze_()d: the epilogue's restride then broke the output's autograd view at run time."""
@@ -685,6 +686,114 @@ def test_dtype_view_of_input_whose_alias_is_restrided_is_refused():
         a1.unsqueeze_(-1)
         return (torch.view_as_real(a0.as_strided((), (), 1)),)
 
-    c0 = _leaf(3, dtype=torch.complex64).clone()
-    with pytest.raises(UnsupportedAliasingError, match="output 0 aliases input 0, which the program also mutates"):
-        aot_function(f, nop)(c0, c0.view(-1))
+    def make():
+        r = _leaf(3, dtype=torch.complex64)
+        c0 = r.clone()
+        return (r,), (c0, c0.view(-1))
+
+    # Refused at first; the recorded chain (as_strided then view_as_real) now replays exactly.
+    check_against_eager(f, make)
+
+
+def test_stale_view_inside_a_list_argument_is_refused():
+    """Seed 62 program 12631: a view taken before transpose_() of its base, used inside torch.cat's
+    list argument: the stale-view check only looked at tensor arguments, not at lists of them."""
+
+    def f(a):
+        v = a[2:3]
+        a.transpose_(1, 0)
+        return torch.cat([v, a]).reshape(12)
+
+    with pytest.raises(UnsupportedMutationError, match="cat.* taken before the in-place aten.transpose_"):
+        aot_function(f, nop)(_as_clone(3, 3)()[1][0])
+
+
+def test_metadata_op_on_view_of_0d_intermediate_then_dtype_view():
+    """Seed 61 program 13699: t_() of a 0-d intermediate, then view_as_real of it: the output lost its
+    ._base (rebuilt as as_strided, which cannot change dtype, so returned as a plain graph output)."""
+
+    def f(a):
+        v = a.reshape(6)
+        w = v @ v
+        w.t_()
+        return w, torch.view_as_real(w)
+
+    check_against_eager(f, _as_leaf(2, 3, dtype=torch.complex64, requires_grad=False))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda a: (a.as_strided((1,), (0,), 2), a.zero_())[0].sub_(1.5),  # seed 62 program 6525
+        lambda a: (a.as_strided((), (), 1), a.add_(1))[0].reshape(1).abs(),  # seed 62 program 6545
+    ],
+    ids=["write_through_it", "read_it"],
+)
+def test_absolute_as_strided_offset_then_data_mutation_is_refused(body):
+    """Seed 62 programs 6525, 6545: an as_strided view with an absolute offset of an input at a
+    non-zero storage offset, then a data mutation: functionalization rebuilt the view on a fresh copy
+    of the input at offset 0 (crash at run time: setStorage out of bounds)."""
+
+    r = _leaf(3, requires_grad=False)
+    with pytest.raises(UnsupportedAliasingError, match="input 0 sits at storage offset 2"):
+        aot_function(lambda a: (body(a),), nop)(r[2])
+
+
+def test_output_as_strided_view_of_input_after_data_mutation_is_refused():
+    """Seed 62 program 3844: the as_strided offset of an output view, taken after a data mutation of
+    an input at a non-zero storage offset, was replayed on the caller's tensor in the trace's
+    coordinates (another element, and the output no longer aliased the input)."""
+
+    def f(a):
+        v = a.sub_(a + 1)
+        return v.as_strided((1, 1, 1), (3, 0, 2), 3)
+
+    r = _leaf(3, 2, requires_grad=False)
+    with pytest.raises(UnsupportedAliasingError, match=r"output 0 \(an as_strided view of input 0\)"):
+        aot_function(f, nop)(r[1])
+
+
+def test_no_grad_squeeze_of_tensor_autograd_differentiates_is_refused():
+    """Seed 61 program 13425: squeeze_() under no_grad of an intermediate that a later backward goes
+    through: the traced backward failed on a shape mismatch (a crash, not an aotgrad error)."""
+
+    def f(a):
+        v0 = a.expand(3)
+        with torch.no_grad():
+            v1 = v0.expand(1, 3)
+            v2 = a * -1
+        v3 = v1 * v2
+        with torch.no_grad():
+            v3.squeeze_(0)
+        return v3
+
+    with pytest.raises(UnsupportedMutationError, match="the traced backward fails"):
+        aot_function(f, nop)(_leaf())
+
+
+def test_stale_view_whose_replay_changes_only_its_rank_is_refused():
+    """Seed 61 program 15217: `a[::2]` over a size-1 dimension, then `a.unsqueeze_(2)`: the replayed view
+    addresses the same elements with one more dimension, which the stale-view check (comparing only
+    dimensions of size > 1) took for the same view; the gradient then broadcast differently."""
+
+    def f(a):
+        v0 = a[::2]
+        v1 = v0.view(1, 3, 1, 1)
+        a.unsqueeze_(2)
+        return a - (v0 + v1).transpose(3, -4)
+
+    with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.unsqueeze_"):
+        aot_function(f, nop)(_as_clone(1, 3, 1)()[1][0])
+
+
+def test_as_strided_of_intermediate_from_expanded_input_is_refused():
+    """Seed 62 program 17038: an expand()ed input that requires grad is traced as a dense copy, so an
+    intermediate computed from it can have other strides than in eager; as_strided on it read other
+    elements."""
+
+    def f(a):
+        v2 = a.transpose(1, -1).permute(1, 0).neg()
+        return (v2 * v2.detach()).as_strided((2, 1), (1, 2), 3)
+
+    with pytest.raises(UnsupportedAliasingError, match="as_strided on an intermediate while input 0 overlaps"):
+        aot_function(f, nop)(_leaf(4).expand(2, 4))

@@ -210,15 +210,17 @@ def view_chain(
         elif not all(_is_view_backward(n) for n in names):
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
     restrided_on_the_way = getattr(out, "_aotgrad_restrided_view", False)  # set by trace_modes.Functionalize
-    if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem) or restrided_on_the_way:
-        # the recorded view function predates an in-place view op on the base, on `out` itself or on a
-        # view `out` was taken from
-        return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     probe = _probe_like(base, requires_grad=base.requires_grad)
     recorded = _record_chain(out, probe)
+    if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem) or restrided_on_the_way:
+        # The recorded view function predates an in-place view op on the base, on `out` itself or on a
+        # view `out` was taken from: keep it only where it still gives `out` exactly (e.g. t_() of a
+        # 0-d tensor), which also keeps dtype views (view_as_real) that as_strided cannot express.
+        if recorded is None or recorded[1].dtype != out.dtype or meta_of(recorded[1]) != meta_of(out):
+            return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     # Only sizes are compared: after a data mutation functionalization may give views of a
     # non-contiguous tensor other strides than eager; replaying the view ops on the real base is right.
-    if recorded is None or recorded[1].shape != out.shape:
+    elif recorded is None or recorded[1].shape != out.shape:
         return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     steps = recorded[0]
     if grad_steps is None:

@@ -53,7 +53,8 @@ def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config:
     primals = inputs_stage.primal_values(layout, leaves)
     if training:
         compiled = compile_training(
-            captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals
+            captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals,
+            keep_input_mutations=config.keep_inference_input_mutations,
         )
     else:
         compiled = compile_inference(captured, config.inference_compiler, primals)

@@ -245,7 +245,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     user_leaves = _user_leaves(layout, leaves, bases, shifts, mode)
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
-    hooks = TraceHooks()
+    hooks = TraceHooks(dense_copies=[b._aotgrad_name for b in bases if b._aotgrad_in_overlapping and b.requires_grad])
     with mode, hooks:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
@@ -417,6 +417,13 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
             # The functional value of a mutated non-dense input lost the input's layout; metadata read
             # off its views is not in the caller's storage coordinates.
             fw.relayout.add(k)
+            if getattr(b, "_aotgrad_absolute_offset_before_mutation", False):
+                raise UnsupportedAliasingError(
+                    f"aotgrad: {name} sits at storage offset {b.storage_offset()} and the program takes an "
+                    "as_strided view of it with an absolute storage offset, then mutates its data: "
+                    "functionalization rebuilds that view on a fresh copy, where the offset addresses other "
+                    "elements. Use views relative to the input (slicing, select), or pass a .clone()."
+                )
         if m.metadata and not m.storage:
             if k in fw.relayout:
                 raise _no_storage_coordinates(name)
@@ -620,6 +627,8 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
             "copy of that input, but not on the input itself (it overlaps itself in memory, e.g. an expand(), "
             "so eager's reshape copies). Pass a .contiguous() input, or return a .clone()."
         )
+    if k in fw.relayout and any(step.op is torch.ops.aten.as_strided.default for step in chain.steps):
+        raise _no_storage_coordinates(f"{name} (an as_strided view of {_primal_name(layout, k)})")
     if chain.as_strided is not None:
         if k in fw.relayout:
             raise _no_storage_coordinates(f"{name} (a view of {_primal_name(layout, k)})")
@@ -690,12 +699,21 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     grads_wrt: Sequence = ()
     if diff and wrt:
         with mode, _refuse_stale_saved_values():
-            grads_wrt = torch.autograd.grad(
-                [fw.fw_functional[i] for i in diff],
-                [funs[k] for k in wrt],
-                tangents_fun,
-                allow_unused=True,
-            )
+            try:
+                grads_wrt = torch.autograd.grad(
+                    [fw.fw_functional[i] for i in diff],
+                    [funs[k] for k in wrt],
+                    tangents_fun,
+                    allow_unused=True,
+                )
+            except RuntimeError as e:
+                if "invalid gradient at index" not in str(e) or getattr(mode, "aliased_metadata_op", None):
+                    raise  # capture names the in-place metadata op on an aliased tensor
+                raise UnsupportedMutationError(
+                    f"aotgrad: the traced backward fails ({str(e).splitlines()[0]}): an in-place metadata op "
+                    "(squeeze_, t_...) under no_grad changed the shape of a tensor autograd differentiates "
+                    "through. Use the out-of-place op, or do it outside no_grad."
+                ) from e
     _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun)
     grads: list = [None] * len(funs)
     for k, g in zip(wrt, grads_wrt):

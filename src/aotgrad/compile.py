@@ -65,6 +65,8 @@ def compile_training(
     fw_compiler: Callable,
     bw_compiler: Callable,
     example_primals: Sequence[Any],
+    *,
+    keep_input_mutations: bool = False,
 ) -> CompiledForward:
     plan = captured.plan
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
@@ -79,6 +81,8 @@ def compile_training(
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
     in_place = _reinplace_for(fw_compiler, fw_module, plan)
+    if keep_input_mutations:
+        in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
     forward = boxed(fw_compiler(fw_module, list(example_primals)))
     return CompiledForward(
         forward,
@@ -126,6 +130,30 @@ def _reinplace_for(compiler: Callable, gm: torch.fx.GraphModule, plan: Plan) -> 
         for o, node in zip(plan.fw_outputs, outs)
         if isinstance(o.kind, MutatedInputValue) and o.kind.primal in writable and node is placeholders[o.kind.primal]
     )
+
+
+def _write_back_in_graph(
+    gm: torch.fx.GraphModule, plan: Plan, primals: Sequence[Any], done: frozenset[int]
+) -> frozenset[int]:
+    """End the forward graph with `copy_(input, new value)` for each input the epilogue would only
+    copy into outside autograd (BatchNorm's running stats): a fusing compiler then writes the new
+    value straight into the input, as upstream's graphs do. Inputs sharing memory with another input
+    are left to the epilogue (the compiler cannot see that a write to one changes the other)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = gm.graph.output_node()
+    outs = list(output.args[0])
+    value_of = {o.kind.primal: node for o, node in zip(plan.fw_outputs, outs) if isinstance(o.kind, MutatedInputValue)}
+    written = set()
+    for k in _writable_inputs(plan, gm):
+        node = value_of.get(k)
+        if k in done or node is None or node is placeholders[k] or _with_storage_sharers({k}, primals) != {k}:
+            continue
+        with gm.graph.inserting_before(output):
+            gm.graph.call_function(torch.ops.aten.copy_.default, (placeholders[k], node))
+        written.add(k)
+    if written:
+        gm.recompile()
+    return frozenset(written)
 
 
 def _with_storage_sharers(indices: set[int], primals: Sequence[Any]) -> set[int]:

@@ -9,7 +9,10 @@ inputs traced as clones, `contiguous()`/`reshape()` decided on the caller's layo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch.utils import _pytree as pytree
 import torch.fx
 from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -48,7 +51,7 @@ class Functionalize(FunctionalTensorMode):
         if self.metadata_ops:
             # A view of a stale view is as stale (it inherits the epoch below): checked where it is used.
             written = _written_args(func, args)
-            for a in args[1:] if is_view_op else args:
+            for a in pytree.tree_leaves(args[1:] if is_view_op else args):  # cat/stack take lists
                 if isinstance(a, FunctionalTensor):
                     self._check_not_stale(func, a, written=any(a is w for w in written))
         if is_metadata_op:
@@ -142,11 +145,11 @@ def _requires_grad(view: torch.Tensor) -> bool:
 
 
 def _same_elements(meta, other) -> bool:
-    """Whether two (size, stride, offset) address the same elements in the same order (size-1
-    dimensions, whose strides mean nothing, left out)."""
+    """Whether two (size, stride, offset) address the same elements in the same order and shape (the
+    strides of size-1 dimensions mean nothing)."""
     def key(m):
         size, stride, offset = m
-        return [(n, st) for n, st in zip(size, stride) if n != 1], offset
+        return tuple(size), [(n, st) for n, st in zip(size, stride) if n != 1], offset
     return key(meta) == key(other)
 
 
@@ -255,9 +258,10 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
     autograd records it (so forward and backward see the elements eager sees), and the clone stays in
     the graph (`clone_coordinates`): the run-time input is not at the clone's offset."""
 
-    def __init__(self):
+    def __init__(self, dense_copies: Sequence[str] = ()):
         super().__init__()
         self.clone_coordinates: set[int] = set()
+        self.dense_copies = list(dense_copies)  # inputs overlapping themselves, traced as dense clones
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -290,6 +294,13 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         *lead, size, stride, offset = bind(*args, **kwargs)
         root = _alias_root(args[0])
         k, shift = getattr(root, "_aotgrad_primal", (None, 0))
+        if k is None and self.dense_copies:
+            raise UnsupportedAliasingError(
+                f"aotgrad: as_strided on an intermediate while {self.dense_copies[0]} overlaps itself (e.g. an "
+                "expand()) and requires grad: aotgrad traces that input as a dense copy, so intermediates "
+                "computed from it may be laid out in memory unlike eager's, and as_strided addresses memory. "
+                "Pass a .contiguous() input, or use views that do not depend on strides."
+            )
         if k is not None and shift == 0 and offset is not None:
             return self._in_value_coordinates(args, kwargs, lead, size, stride, offset, root)
         if k is None or shift == 0 or offset is None:
@@ -314,6 +325,10 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         value = torch._from_functional_tensor(root.elem)
         drift = root.storage_offset() - value.storage_offset()
         if drift == 0:
+            if root.storage_offset() != 0:
+                # A later data mutation would make functionalization rebuild this view on a fresh
+                # value at offset 0, where the offset addresses other elements (capture refuses then).
+                root._aotgrad_absolute_offset_before_mutation = True
             return args, kwargs
         if tuple(value.stride()) != tuple(root.stride()):
             raise UnsupportedAliasingError(
