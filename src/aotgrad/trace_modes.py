@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 import torch.fx
 from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -20,6 +19,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
 )
+from torch.utils import _pytree as pytree
 
 from . import analysis
 from .errors import (
