@@ -797,3 +797,38 @@ def test_as_strided_of_intermediate_from_expanded_input_is_refused():
 
     with pytest.raises(UnsupportedAliasingError, match="as_strided on an intermediate while input 0 overlaps"):
         aot_function(f, nop)(_leaf(4).expand(2, 4))
+
+
+def test_write_through_restrided_view_with_grad_is_refused():
+    """Seed 62 program 29080 (and torch alone, measured): under functionalization, a data write through
+    a view whose layout an in-place op changed (`v.unsqueeze_(1); v.mul_(w)`) gets gradients wrong
+    (here 9x for the broadcast operand); eager is right. Refused by name."""
+
+    def f(a0, a1, a2, a3):
+        a0.unsqueeze_(1)
+        a0.mul_(a3)
+        return a2
+
+    def make():
+        c0 = _leaf(3, 3, requires_grad=False)
+        r1 = _leaf(1, seed=1)
+        return (r1,), (c0.view(9), c0, r1, r1)
+
+    with pytest.raises(UnsupportedMutationError, match="writes through input 0, whose layout an in-place"):
+        aot_function(f, nop)(*make()[1])
+
+
+def test_backward_view_on_value_functionalization_laid_out_differently():
+    """Seed 61 program 24645: after unsqueeze_/transpose_ of an input and a write through an older
+    view, the traced backward recorded a `view` that only functionalization's inner layout allowed;
+    the compiled backward failed on real tensors. Such views now get a contiguous copy."""
+
+    def f(a1):
+        a1.unsqueeze_(1)
+        v0 = a1.mul_(0.5)
+        v1 = v0.reshape((3, 1, 2))
+        v0.transpose_(-4, -1)
+        v1.fill_(1.5)
+        return (a1[:, -1:],)
+
+    check_against_eager(f, _as_clone(3, 1, 2))

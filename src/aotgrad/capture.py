@@ -816,6 +816,34 @@ def _finish_graph(gm: torch.fx.GraphModule, in_graph_mutated: set[int]) -> None:
             if same and k not in in_graph_mutated:
                 n.replace_all_uses_with(src)
                 graph.erase_node(n)
+    _copy_before_unviewable_views(graph)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
+
+
+def _copy_before_unviewable_views(graph: torch.fx.Graph) -> None:
+    """Functionalization can apply a recorded `view` to an inner value laid out unlike the value the
+    graph records for it (seen after in-place metadata ops); on real tensors that view would fail.
+    Give such a view a contiguous copy to view (the graph is functional, so nothing sees the alias)."""
+    for n in list(graph.nodes):
+        if n.target is not torch.ops.aten.view.default or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        src = n.args[0].meta.get("val")
+        if not isinstance(src, torch.Tensor) or src.is_contiguous() or _can_view(src, n.args[1]):
+            continue
+        with graph.inserting_before(n):
+            dense = graph.call_function(
+                torch.ops.aten.clone.default, (n.args[0],), {"memory_format": torch.contiguous_format}
+            )
+        dense.meta["val"] = src.clone(memory_format=torch.contiguous_format)
+        n.replace_input_with(n.args[0], dense)
+
+
+def _can_view(src: torch.Tensor, shape) -> bool:
+    try:
+        probe = torch.empty_strided(tuple(src.shape), tuple(src.stride()), dtype=src.dtype, device="meta")
+        probe.view(shape)
+    except (RuntimeError, TypeError, ValueError):  # not viewable; or symbolic sizes: leave it be
+        return not all(isinstance(x, int) for x in (*src.shape, *src.stride(), *shape))
+    return True

@@ -62,6 +62,7 @@ class Functionalize(FunctionalTensorMode):
         if not is_metadata_op:
             for a in _written_args(func, args):
                 _check_writable(func, a)
+                self._check_not_restrided(func, a, args)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if is_metadata_op:
             _remember_layout(args[0], self.metadata_ops)
@@ -105,6 +106,22 @@ class Functionalize(FunctionalTensorMode):
                     "ops both under no_grad and with grad on: eager's gradients then follow the layout the "
                     "grad-mode ops saw, which the graph cannot reproduce. Do them all in one mode, or on a .clone()."
                 )
+
+    def _check_not_restrided(self, func, written: FunctionalTensor, args) -> None:
+        """Functionalization's autograd gets a write through a view whose own layout was changed in
+        place (`v.unsqueeze_(1); v.mul_(w)`) wrong whenever a gradient flows through it (measured: the
+        base's gradient misses the write's factor, a broadcast operand's is summed once per element)."""
+        if not (getattr(written, "_aotgrad_restrided_view", False) and torch.is_grad_enabled()):
+            return
+        if not any(isinstance(t, torch.Tensor) and _requires_grad(t) for t in pytree.tree_leaves(args)):
+            return
+        op, on = self.last_metadata_op
+        raise UnsupportedMutationError(
+            f"aotgrad: {func} writes through {_describe_tensor(written)}, whose layout an in-place {op} changed "
+            "(it is a view, or a view of one), with gradients flowing: functionalization's autograd gets that "
+            "wrong. Use the out-of-place view op (e.g. unsqueeze() instead of unsqueeze_()), or write "
+            "through a fresh view."
+        )
 
     def _check_not_stale(self, func, a: FunctionalTensor, *, written: bool) -> None:
         """Refuse a use of a view that requires grad, taken before an in-place metadata op on a tensor
