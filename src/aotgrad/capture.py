@@ -337,9 +337,9 @@ def _shifted(name: str, shift: int | None, size, stride, offset) -> tuple:
 
 def _no_storage_coordinates(what: str) -> AotgradError:
     return UnsupportedAliasingError(
-        f"aotgrad: {what} would need as_strided in the caller's storage after a data mutation of a "
-        "non-contiguous input, whose layout functionalization does not keep. Pass a .contiguous() input "
-        "or return a .clone()."
+        f"aotgrad: {what} would need as_strided in the caller's storage after a data mutation of an "
+        "input that is not contiguous or not at storage offset 0, whose layout functionalization does not "
+        "keep. Pass a .contiguous() input (or a .clone()), or return a .clone()."
     )
 
 
@@ -605,7 +605,7 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
         return None if o._base is not None else ("plain", o)
     m = fw.mutations[k]
     detached_in_place = any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue) or any(
-        getattr(t, "_aotgrad_alias_detached", False) for t in (bases[k], o._base)
+        getattr(t, "_aotgrad_detached", False) for t in (bases[k], o, o._base)  # o: a .detach() alias
     )
     if detached_in_place:
         raise UnsupportedAliasingError(

@@ -285,8 +285,6 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         if func is torch.Tensor.detach_ and args:
             _check_detach_in_place(args[0])
             args[0]._aotgrad_detached = True
-            # A detach() alias of an input, detached in place: views of it are views of the input.
-            _alias_root(args[0])._aotgrad_alias_detached = True
         if args and getattr(args[0], "_aotgrad_caller_not_view", False):
             # Traced as a view of a synthetic base, where the caller's tensor is not a view: refresh the
             # view's autograd history after a write to its base, which eager never needs for a non-view
