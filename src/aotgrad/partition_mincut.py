@@ -489,6 +489,9 @@ class PartitionInfo:
     # the chosen plan misses the request by more than 5%, no plan was found in between.
     nearest_plans: tuple[int | None, int | None] = (None, None)
     dominated: bool = False  # another explored plan saves fewer bytes for no more FLOPs
+    # Activation splitting (partition_split): {"value": name, "rows_saved": m, "rows": n} where the
+    # first m of n rows of one value are saved and the rest recomputed; None for a whole-tensor plan.
+    split: dict | None = None
 
     @property
     def achieved_fraction(self) -> float | None:
@@ -516,6 +519,7 @@ class _Joint:
         graph = joint.graph
         self.joint = joint
         self.graph = graph
+        self.num_fwd_outputs, self.policy = num_fwd_outputs, policy
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.primals = [n for n in placeholders if not n.name.startswith("tangents")]
         self.tangents = [n for n in placeholders if n.name.startswith("tangents")]
@@ -927,11 +931,13 @@ class _Menu:
         return min(self.offered(), key=rank)
 
 
-def _choose(j: _Joint, budget: float | None) -> tuple[list[Node], dict]:
+def _choose(j: _Joint, budget: float | None) -> tuple[_Joint, list[Node], dict]:
+    """The joint graph to cut (the given one, or a copy with one value split in row blocks), the
+    values to save, and what to report."""
     top = _candidate(j, ())
     extra: dict[str, Any] = {"cuts_solved": 1}
     if budget is None:
-        return top.saved, extra
+        return j, top.saved, extra
     bottom = _candidate(j, j.items, tie="source") if j.items else top
     menu = _Menu(j, top, bottom)
     target = menu.bytes_at(budget)
@@ -939,10 +945,16 @@ def _choose(j: _Joint, budget: float | None) -> tuple[list[Node], dict]:
     if budget >= 1.0 or budget <= 0.0 or menu.span == 0:
         chosen = bottom if budget <= 0.0 else top
         extra.update(unlocked=[n.name for n in chosen.unlocked], cuts_solved=2 if j.items else 1)
-        return chosen.saved, extra
+        return j, chosen.saved, extra
     menu.fill()
     chosen = menu.pick(target)
     lo, hi = menu.nearest(target)
+    if abs(chosen.bytes - target) > BUDGET_TOLERANCE * menu.span and lo is not None and hi is not None:
+        from .partition_split import land_by_splitting
+
+        landed = land_by_splitting(j, lo, hi, target, chosen)
+        if landed is not None:
+            j, chosen, extra["split"] = landed
     extra.update(
         unlocked=[n.name for n in chosen.unlocked],
         forced=[n.name for n in chosen.forced],
@@ -950,7 +962,7 @@ def _choose(j: _Joint, budget: float | None) -> tuple[list[Node], dict]:
         nearest_plans=(None if lo is None else lo.bytes, None if hi is None else hi.bytes),
         dominated=any(c.bytes < chosen.bytes and c.flops <= chosen.flops for c in menu.offered()),
     )
-    return chosen.saved, extra
+    return j, chosen.saved, extra
 
 
 def min_cut_rematerialization_partition(
@@ -972,7 +984,7 @@ def min_cut_rematerialization_partition(
         raise ValueError(f"memory_budget must be in [0, 1], got {memory_budget}")
     resolved = _resolve_policy(policy)
     j = _Joint(joint_module, num_fwd_outputs, resolved)
-    saved, extra = _choose(j, None if memory_budget is None else float(memory_budget))
+    j, saved, extra = _choose(j, None if memory_budget is None else float(memory_budget))
     saved = _order_saved(j.graph, saved)
     fw_module = extract_graph(j.graph, j.primals, list(j.fw_outs) + saved, j.fw_effects)
     bw_module = extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects)
