@@ -347,6 +347,108 @@ def test_budget_saves_a_cheap_intermediate_to_land_between_whole_steps():
     check_against_eager(_ln_mlp, _ln_mlp_make(), compiled=aot_function(_ln_mlp, nop, partition_fn=pf))
 
 
+def test_budget_split_lands_on_target_between_whole_steps():
+    # _ln_mlp: 8 rows, hidden activations of 8 x 32 floats = 1 KiB, budget range 2688 B. No whole plan
+    # lies between 0.38 and 0.67 of the range; 0.5 asks for 320 B more than the plan at 0.38: the
+    # first 2 (320 / 128, rounded) rows of one recomputed activation are saved, the other 6 recomputed.
+    g = Graphs()
+    aot_function(_ln_mlp, g, nop, partition_fn=mincut_partitioner(0.5))(*_ln_mlp_make()()[0])
+    info = g.info
+    assert info.bytes_at_budget_1 - info.bytes_at_budget_0 == 2688
+    lo, hi = info.nearest_plans
+    assert (lo - info.bytes_at_budget_0, hi - info.bytes_at_budget_0) == (1024, 1792)  # 0.38 and 0.67
+    assert info.split == {"value": "addmm_1", "rows_saved": 2, "rows": 8}
+    assert info.saved_bytes == lo + 2 * 128 and info.on_target
+    # The head is saved as its own 2-row tensor (not a view of the whole activation), once.
+    heads = [n for n in g.saved_nodes(1) if n.op != "placeholder" and n.meta["val"].shape[0] == 2]
+    assert len(heads) == 1 and op_class(heads[0]) == "matmul"
+    assert all(op_class(n) != "view" for n in g.saved_nodes(1))
+
+
+@pytest.mark.parametrize("budget", [0.9, 0.5, 0.25, 0.1])
+def test_budget_split_grads_equal_eager(budget):
+    pf = mincut_partitioner(budget)
+    assert _run_ln_mlp(budget).split is not None
+    check_against_eager(_ln_mlp, _ln_mlp_make(), compiled=aot_function(_ln_mlp, nop, partition_fn=pf))
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.75, 0.5, 0.25, 0.0])
+def test_budget_split_modules_train_like_eager(budget):
+    # Linear/GELU/LayerNorm and Conv/BatchNorm(train)/ReLU: batch norm is never split (its statistics
+    # mix the rows); the convolutions and ReLUs may be.
+    torch.manual_seed(0)
+    models = [
+        (nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU(),
+                       nn.LayerNorm(32), nn.Linear(32, 4)), torch.randn(8, 16)),
+        (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                       nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4)), torch.randn(4, 3, 8, 8)),
+    ]
+    for eager, x in models:
+        test = copy.deepcopy(eager)
+        compiled = aot_module(test, nop, partition_fn=mincut_partitioner(budget))
+        for _ in range(2):
+            ref, out = eager(x), compiled(x)
+            torch.testing.assert_close(out, ref)
+            ref.square().sum().backward()
+            out.square().sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), test.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+        for (name, b), c in zip(eager.named_buffers(), test.buffers()):
+            torch.testing.assert_close(c, b, msg=name)
+
+
+def test_budget_sweep_with_splitting_is_monotone_and_on_target():
+    budgets = [round(1 - i / 20, 2) for i in range(21)]
+    infos = [_run_ln_mlp(b) for b in budgets]
+    saved = [i.saved_bytes for i in infos]
+    assert saved == sorted(saved, reverse=True), saved
+    assert all(i.on_target for i in infos), [(b, i.achieved_fraction) for b, i in zip(budgets, infos)]
+    assert sum(i.split is not None for i in infos) >= 5
+
+
+def _softmax_rows(x, *ws):
+    for w in ws:
+        x = torch.softmax(x @ w, dim=0)  # each output row depends on every input row
+    return x
+
+
+def _softmax_rows_make():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g)
+    args = (x, *[(torch.randn(16, 16, generator=g) / 4).requires_grad_(True) for _ in range(3)])
+    return args, args
+
+
+def test_budget_does_not_split_a_value_that_is_not_row_separable():
+    # The backward reads the softmax outputs (along dim 0) and nothing row-separable: no split, the
+    # nearest whole plan is taken as before.
+    for budget in (0.75, 0.25):
+        info = compile_and_run(_softmax_rows, mincut_partitioner(budget), *_softmax_rows_make()[0]).info
+        assert info.split is None and not info.on_target
+        assert info.saved_bytes in info.nearest_plans
+    check_against_eager(_softmax_rows, _softmax_rows_make,
+                        compiled=aot_function(_softmax_rows, nop, partition_fn=mincut_partitioner(0.25)))
+
+
+def test_row_split_positions():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aotgrad.partition_split import row_split_positions
+
+    def f(x, w, b, v, s):
+        return (torch.addmm(b, x, w), x.mm(w), x * v, x + s, torch.softmax(x, 0), x.cumsum(0), x.sum(0, keepdim=True),
+                torch.softmax(x, 1), x.t().contiguous())
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4), torch.randn(4),
+                                         torch.randn(4, 4))
+    got = {n.target.overloadpacket.__name__: row_split_positions(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert got["addmm"] == (1,) and got["mm"] == (0,)
+    assert got["mul"] == (0,)  # v broadcasts along the rows: passed whole
+    assert got["add"] == (0, 1)  # s has the rows: sliced too
+    for name in ("_softmax", "cumsum", "sum", "t"):  # a view (t) is never split; its base may be
+        assert got.get(name) is None, name
+
+
 def test_budget_near_one_recomputes_no_matmul():
     info = _run_ln_mlp(0.99)
     assert info.recomputed_matmuls == 0 and info.saved_bytes == info.bytes_at_budget_1
