@@ -69,9 +69,17 @@ budget falls the saved bytes never grow. Since every request is within 2.5% of a
 request is missed by more than 5% only where the menu has nothing closer - in practice where the
 range is made of a few indivisible tensors (an MLP whose hidden activations all have one size moves
 in steps of 1/3; a CNN whose activations are multiples of 1/7 of the range cannot reach 1/2). Then
-the nearest plan is taken, and `PartitionInfo.nearest_plans` gives the explored plans around the
-request. Matmuls, convolutions and attention are recomputed only when the budget asks for fewer
-bytes than cheap recomputation reaches (B1 is taken for any request within 2% of it); landing near
+*activation splitting* (`partition_split.land_by_splitting`) lands between the two nearest plans:
+one value X that the plan below recomputes and the backward reads, provably row-separable along
+dim 0, is computed as `cat([op(A[:m]), op(A[m:])])` in a copy of the joint graph; the head is forced
+saved (its own m-row tensor, not a view of X) and the tail recomputed in the backward, so the plan
+saves the plan below plus m rows of X, with m chosen to land on the request. X depends only on the
+two plans around the request, m grows with it, and the split plan is solved exactly and taken only
+if it saves what was predicted, so the saved bytes stay monotone (`PartitionInfo.split` says what
+was split). If nothing can be split, the nearest whole plan is taken, and
+`PartitionInfo.nearest_plans` gives the explored plans around the request. Matmuls, convolutions
+and attention are recomputed only when the budget asks for fewer bytes than cheap recomputation
+reaches (B1 is taken for any request within 2% of it); landing near
 the request may take a plan that recomputes more for more bytes than another one
 (`PartitionInfo.dominated`).
 
