@@ -210,23 +210,40 @@ def view_chain(
         elif not all(_is_view_backward(n) for n in names):
             return None  # e.g. a custom autograd.Function returning its input: keep its backward
     restrided_on_the_way = getattr(out, "_aotgrad_restrided_view", False)  # set by trace_modes.Functionalize
-    probe = _probe_like(base, requires_grad=base.requires_grad)
-    recorded = _record_chain(out, probe)
     if base_metadata_mutated or torch._functionalize_has_metadata_mutation(out.elem) or restrided_on_the_way:
         # The recorded view function predates an in-place view op on the base, on `out` itself or on a
-        # view `out` was taken from: keep it only where it still gives `out` exactly (e.g. t_() of a
-        # 0-d tensor), which also keeps dtype views (view_as_real) that as_strided cannot express.
-        if recorded is None or recorded[1].dtype != out.dtype or meta_of(recorded[1]) != meta_of(out):
-            return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
+        # view `out` was taken from: as_strided from out's own geometry, unless it cannot change dtype
+        # (view_as_real, .real): then the recorded ops, where they still give `out` exactly.
+        chain = _as_strided_chain(out, base, grad_steps)
+        if chain is not None or out.dtype == base.dtype:
+            return _keep_multi_output(out, chain)
+        return _keep_multi_output(out, _exact_recorded_chain(out, base, grad_steps))
+    probe = _probe_like(base, requires_grad=base.requires_grad)
+    recorded = _record_chain(out, probe)
     # Only sizes are compared: after a data mutation functionalization may give views of a
     # non-contiguous tensor other strides than eager; replaying the view ops on the real base is right.
-    elif recorded is None or recorded[1].shape != out.shape:
+    if recorded is None or recorded[1].shape != out.shape:
         return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
     steps = recorded[0]
     if grad_steps is None:
         return ViewChain(steps=steps)
     if grad_steps > len(steps):
         return _keep_multi_output(out, _as_strided_chain(out, base, grad_steps))
+    return ViewChain(steps=steps, no_grad_steps=len(steps) - grad_steps)
+
+
+def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_steps: int | None) -> ViewChain | None:
+    """`out`'s recorded view ops, if replaying them on the base's current layout gives `out` exactly
+    (replaying a view function after in-place metadata ops is only tried for dtype views: torch has
+    crashed replaying some)."""
+    recorded = _record_chain(out, _probe_like(base, requires_grad=base.requires_grad))
+    if recorded is None or recorded[1].dtype != out.dtype or meta_of(recorded[1]) != meta_of(out):
+        return None
+    steps = recorded[0]
+    if grad_steps is None:
+        return ViewChain(steps=steps)
+    if grad_steps > len(steps):
+        return None
     return ViewChain(steps=steps, no_grad_steps=len(steps) - grad_steps)
 
 
