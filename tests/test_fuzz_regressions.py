@@ -832,3 +832,38 @@ def test_backward_view_on_value_functionalization_laid_out_differently():
         return (a1[:, -1:],)
 
     check_against_eager(f, _as_clone(3, 1, 2))
+
+
+def test_fake_tensor_cache_does_not_leak_a_stale_storage_offset():
+    """Seed 72 program 14959: after another program traced an input at storage offset 4, torch's
+    fake-tensor cache answered `aten.copy` of this program's input with that program's output offset;
+    the absolute as_strided offset was then not shifted (silently wrong values). Tracing an input at
+    a non-zero storage offset now runs with the fake cache off."""
+
+    from aotgrad import fuzz
+
+    def second(a0):
+        v0 = a0.unbind(0)[0]
+        a0.reshape((4,)).copy_(v0)
+        return a0.as_strided((3, 3), (0, 1), 5).reshape((-1,))
+
+    def make():
+        r0 = _leaf(3, 4, requires_grad=False)
+        return (r0,), (r0.split(1, 0)[1],)
+
+    assert fuzz.check_program(fuzz.generate(72, 14959)).kind == "refused"  # fills the fake cache
+    check_against_eager(second, make)
+
+
+def test_restrided_dtype_view_of_input_returned_is_refused():
+    """Seed 71 program 1215: `.real` of an input, squeeze_()d, returned: not rebuildable as a view
+    chain (as_strided cannot change dtype), it was returned from the autograd.Function as a view of
+    the input and autograd refused it at run time."""
+
+    def f(a):
+        v = a.real
+        v.squeeze_(0)
+        return v
+
+    with pytest.raises(UnsupportedAliasingError, match="or restrides the view in place"):
+        aot_function(f, nop)(_as_clone(1, dtype=torch.complex64)()[1][0])

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch._higher_order_ops.effects import _EffectType as EffectType
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, disable_fake_tensor_cache
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
@@ -141,7 +141,9 @@ def capture(
     try:
         # Dispatch modes the caller has active (a FLOP counter, a logging mode) would see, and
         # interleave with, the trace's own modes; they see the compiled code's ops at run time.
-        with torch.utils._python_dispatch._disable_current_modes():
+        # torch's fake-tensor dispatch cache can hand back a stale storage offset (seen for
+        # aten.copy of an input at a non-zero offset, after another program): the trace reads offsets.
+        with torch.utils._python_dispatch._disable_current_modes(), _no_fake_cache(fake_mode, fake_primals):
             gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
     except (RuntimeError, ValueError, IndexError) as e:
         if isinstance(e, AotgradError):
@@ -175,6 +177,14 @@ def capture(
         torch._C._set_view_replay_enabled(view_replay)
     _finish_graph(gm, state["in_graph_mutated"])
     return Captured(gm, state["plan"], num_tangents=state["num_tangents"])
+
+
+def _no_fake_cache(fake_mode, fake_primals):
+    """The fake-tensor cache off while tracing a program with an input at a non-zero storage offset
+    (where a stale cached offset changes what the trace records); on otherwise (it saves time)."""
+    if any(isinstance(p, torch.Tensor) and p.storage_offset() != 0 for p in fake_primals):
+        return disable_fake_tensor_cache(fake_mode)
+    return contextlib.nullcontext()
 
 
 def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
@@ -615,10 +625,11 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
         )
     chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
     if chain is None:
-        if m.any or k in fw.restrided:
+        restrided_view = torch._functionalize_has_metadata_mutation(o.elem) or getattr(o, "_aotgrad_restrided_view", False)
+        if m.any or k in fw.restrided or restrided_view:
             raise UnsupportedAliasingError(
-                f"aotgrad: {name} aliases {_primal_name(layout, k)}, which the program also mutates, "
-                "and it cannot be rebuilt as a view of it. Return a .clone()."
+                f"aotgrad: {name} aliases {_primal_name(layout, k)}, which the program also mutates (or "
+                "restrides the view in place), and it cannot be rebuilt as a view of it. Return a .clone()."
             )
         return ("plain", o)
     if shifts[k] is None and not analysis.replays_on_layout(chain, bases[k], bases[k]._aotgrad_caller_meta):
