@@ -867,3 +867,21 @@ def test_restrided_dtype_view_of_input_returned_is_refused():
 
     with pytest.raises(UnsupportedAliasingError, match="or restrides the view in place"):
         aot_function(f, nop)(_as_clone(1, dtype=torch.complex64)()[1][0])
+
+
+def test_write_into_input_sharing_memory_with_a_restrided_input_is_refused():
+    """Seed 71 program 38941: two views of one tensor passed as inputs; unsqueeze_() of one, then a
+    write through the other with gradients flowing: the gradient through the restrided one differed."""
+
+    def f(a0, a1):
+        a1.unsqueeze_(2)
+        a0.add_(2)
+        return a1 - a0
+
+    def make():
+        r0 = _leaf(3, 1)
+        c0 = r0.clone()
+        return (r0,), (c0.view(-1), c0.t())
+
+    with pytest.raises(UnsupportedMutationError, match="shares memory with input 1, restrided in place"):
+        aot_function(f, nop)(*make()[1])

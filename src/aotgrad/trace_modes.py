@@ -82,6 +82,8 @@ class Functionalize(FunctionalTensorMode):
             self.aliased_metadata_op = (func, _describe_tensor(a))
         self.metadata_ops += 1
         self.last_metadata_op = (func, _describe_tensor(a))
+        if getattr(a, "_aotgrad_shares_input_memory", False):
+            a._base._aotgrad_member_restrided = (func, _describe_tensor(a))
         if getattr(a, "_aotgrad_shares_input_memory", False) and getattr(a, "_aotgrad_caller_not_view", False):
             raise UnsupportedMutationError(
                 f"aotgrad: {func} on {_describe_tensor(a)}, which shares memory with another input: eager's "
@@ -111,11 +113,21 @@ class Functionalize(FunctionalTensorMode):
         """Functionalization's autograd gets a write through a view whose own layout was changed in
         place (`v.unsqueeze_(1); v.mul_(w)`) wrong whenever a gradient flows through it (measured: the
         base's gradient misses the write's factor, a broadcast operand's is summed once per element)."""
-        if not (getattr(written, "_aotgrad_restrided_view", False) and torch.is_grad_enabled()):
+        own = getattr(written, "_aotgrad_restrided_view", False)
+        member_restrided = None if own else getattr(_alias_root(written), "_aotgrad_member_restrided", None)
+        restrided = own or member_restrided is not None
+        if not (restrided and torch.is_grad_enabled()):
             return
         if not any(isinstance(t, torch.Tensor) and _requires_grad(t) for t in pytree.tree_leaves(args)):
             return
-        op, on = self.last_metadata_op
+        op, on = member_restrided or self.last_metadata_op
+        if member_restrided is not None:
+            raise UnsupportedMutationError(
+                f"aotgrad: {func} writes into {_describe_tensor(written)}, which shares memory with {on}, restrided "
+                f"in place by {op} before, with gradients flowing: eager rebuilds the restrided input's autograd "
+                "view differently from the functional graph. Pass inputs that do not share memory, or use the "
+                "out-of-place view op."
+            )
         raise UnsupportedMutationError(
             f"aotgrad: {func} writes through {_describe_tensor(written)}, whose layout an in-place {op} changed "
             "(it is a view, or a view of one), with gradients flowing: functionalization's autograd gets that "
