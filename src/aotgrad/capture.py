@@ -535,7 +535,8 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
         if isinstance(o, torch.Tensor):
             position_of[id(o)] = pos
         q = position_of.get(id(getattr(o, "_base", None)))
-        if q is not None and not _is_graph_value(sources[q]):
+        kept_history = isinstance(o, torch.Tensor) and o.requires_grad and getattr(o._base, "_aotgrad_detached", False)
+        if q is not None and not _is_graph_value(sources[q]) and not kept_history:
             # A view of an output we rebuild ourselves (e.g. of a .detach()): rebuild it from that one.
             chain = analysis.view_chain(o, o._base, torch._functionalize_has_metadata_mutation(o._base.elem))
             if chain is not None:
@@ -614,8 +615,10 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
     if k is None:
         return None if o._base is not None else ("plain", o)
     m = fw.mutations[k]
-    detached_in_place = any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue) or any(
-        getattr(t, "_aotgrad_detached", False) for t in (bases[k], o, o._base)  # o: a .detach() alias
+    # A view kept its autograd history through a later detach_() in eager (the trace knows whether it
+    # requires grad); rebuilt from the detached tensor it would lose it.
+    detached_in_place = any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue) or (
+        o.requires_grad and any(getattr(t, "_aotgrad_detached", False) for t in (bases[k], o, o._base))
     )
     if detached_in_place:
         raise UnsupportedAliasingError(
