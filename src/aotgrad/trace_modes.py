@@ -82,8 +82,8 @@ class Functionalize(FunctionalTensorMode):
             self.aliased_metadata_op = (func, _describe_tensor(a))
         self.metadata_ops += 1
         self.last_metadata_op = (func, _describe_tensor(a))
-        if getattr(a, "_aotgrad_shares_input_memory", False):
-            a._base._aotgrad_member_restrided = (func, _describe_tensor(a))
+        if a._is_view():  # incl. inputs traced as views of a synthetic base
+            _alias_root(a)._aotgrad_member_restrided = (func, _describe_tensor(a))
         if getattr(a, "_aotgrad_shares_input_memory", False) and getattr(a, "_aotgrad_caller_not_view", False):
             raise UnsupportedMutationError(
                 f"aotgrad: {func} on {_describe_tensor(a)}, which shares memory with another input: eager's "
@@ -124,9 +124,9 @@ class Functionalize(FunctionalTensorMode):
         if member_restrided is not None:
             raise UnsupportedMutationError(
                 f"aotgrad: {func} writes into {_describe_tensor(written)}, which shares memory with {on}, restrided "
-                f"in place by {op} before, with gradients flowing: eager rebuilds the restrided input's autograd "
-                "view differently from the functional graph. Pass inputs that do not share memory, or use the "
-                "out-of-place view op."
+                f"in place by {op} before, with gradients flowing: eager rebuilds the restrided view's autograd "
+                "history differently from the functional graph. Use the out-of-place view op (e.g. unsqueeze() "
+                "instead of unsqueeze_()), or pass inputs that do not share memory."
             )
         raise UnsupportedMutationError(
             f"aotgrad: {func} writes through {_describe_tensor(written)}, whose layout an in-place {op} changed "
