@@ -768,7 +768,7 @@ def test_no_grad_squeeze_of_tensor_autograd_differentiates_is_refused():
             v3.squeeze_(0)
         return v3
 
-    with pytest.raises(UnsupportedMutationError, match="the traced backward fails"):
+    with pytest.raises(UnsupportedMutationError, match="the backward, which aotgrad traces ahead of time"):
         aot_function(f, nop)(_leaf())
 
 
@@ -901,3 +901,20 @@ def test_write_into_base_of_a_view_restrided_in_place_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="writes into input 1, which shares memory with a view"):
         aot_function(f, nop)(_leaf(3, requires_grad=False), _as_clone(1, 3, 3)()[1][0])
+
+
+def test_backward_through_multi_output_view_after_detach_is_refused():
+    """Seed 82 program 34737: a view of a chunk() output taken before detach_() of its leaf; the caller
+    takes no gradient, so eager's backward never runs, but aotgrad's ahead-of-time backward hit
+    autograd's multi-output-view error (a crash, not an aotgrad error)."""
+
+    def f(a0):
+        v0 = a0[1:2]
+        v2 = v0.chunk(2, 0)[0].as_strided((), (), 1)
+        a0.detach_()
+        v5 = v0 * v2
+        a0.add_(-1)
+        return v5
+
+    with pytest.raises(UnsupportedMutationError, match="the backward, which aotgrad traces ahead of time"):
+        aot_function(f, nop)(_leaf(2))

@@ -699,6 +699,13 @@ def _view_of_intermediate(fw, pos, o, chain, plain_index, training, base_grad):
     return AliasOfGraphOutput(idx, chain)
 
 
+# Autograd errors a backward eager never ran (the caller took no gradient) can hit in the trace.
+_BACKWARD_LIMITS = (
+    "invalid gradient at index",
+    "is a view and its base or another view of its base has been modified inplace",
+)
+
+
 def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     """Add tangent placeholders for the differentiable forward values, then trace autograd.grad."""
     diff = [i for i, o in enumerate(fw.fw_outputs) if o.differentiable]
@@ -721,12 +728,13 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
                     allow_unused=True,
                 )
             except RuntimeError as e:
-                if "invalid gradient at index" not in str(e) or getattr(mode, "aliased_metadata_op", None):
+                if getattr(mode, "aliased_metadata_op", None) or not any(s in str(e) for s in _BACKWARD_LIMITS):
                     raise  # capture names the in-place metadata op on an aliased tensor
                 raise UnsupportedMutationError(
-                    f"aotgrad: the traced backward fails ({str(e).splitlines()[0]}): an in-place metadata op "
-                    "(squeeze_, t_...) under no_grad changed the shape of a tensor autograd differentiates "
-                    "through. Use the out-of-place op, or do it outside no_grad."
+                    f"aotgrad: the backward, which aotgrad traces ahead of time (even if the caller never runs "
+                    f"it), fails: {str(e).splitlines()[0]} Typical causes: an in-place metadata op (squeeze_, t_) "
+                    "under no_grad on a tensor autograd differentiates through; an in-place op on a view from "
+                    "a multi-output op (chunk, split) or after detach_(). Use out-of-place ops there."
                 ) from e
     _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun)
     grads: list = [None] * len(funs)
