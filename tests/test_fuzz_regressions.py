@@ -856,7 +856,7 @@ def test_fake_tensor_cache_does_not_leak_a_stale_storage_offset():
     check_against_eager(second, make)
 
 
-def test_restrided_dtype_view_of_input_returned_is_refused():
+def test_restrided_dtype_view_of_input_returned():
     """Seed 71 program 1215: `.real` of an input, squeeze_()d, returned: not rebuildable as a view
     chain (as_strided cannot change dtype), it was returned from the autograd.Function as a view of
     the input and autograd refused it at run time."""
@@ -866,8 +866,8 @@ def test_restrided_dtype_view_of_input_returned_is_refused():
         v.squeeze_(0)
         return v
 
-    with pytest.raises(UnsupportedAliasingError, match="or restrides the view in place"):
-        aot_function(f, nop)(_as_clone(1, dtype=torch.complex64)()[1][0])
+    # Refused at first; now rebuilt as `.real` then an as_strided in its own coordinates.
+    check_against_eager(f, _as_clone(1, dtype=torch.complex64))
 
 
 def test_write_into_input_sharing_memory_with_a_restrided_input_is_refused():
@@ -918,3 +918,44 @@ def test_backward_through_multi_output_view_after_detach_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="the backward, which aotgrad traces ahead of time"):
         aot_function(f, nop)(_leaf(2))
+
+
+def test_reshape_of_expanded_input_that_requires_grad_copies_as_in_eager():
+    """Seed 81 program 47220: fake tensors let `view()` merge a stride-0 dimension that real tensors
+    cannot, so the reshape of an expand()ed input was taken for a view and rebuilt as one at run time
+    (crash). Viewability is now computed with ATen's rule (`analysis.view_possible`)."""
+
+    def make():
+        r1 = _leaf(1, 2)
+        return (r1,), (r1.clone().expand(2, 1, 2),)
+
+    check_against_eager(lambda a: (a.reshape(4),), make)
+
+
+def test_view_possible_agrees_with_aten():
+    from aotgrad.analysis import view_possible
+
+    for size, stride, shape in [((2, 1, 2), (0, 2, 1), (4,)), ((2, 3), (3, 1), (3, 2)), ((2, 3), (1, 2), (6,)),
+                                ((3, 2), (1, 3), (-1,)), ((4, 1), (1, 7), (2, 2)), ((2, 2), (0, 1), (2, 1, 2))]:
+        t = torch.empty(64).as_strided(size, stride)
+        try:
+            t.view(shape)
+            expected = True
+        except RuntimeError:
+            expected = False
+        assert view_possible(size, stride, shape) is expected, (size, stride, shape)
+
+
+def test_dtype_view_of_intermediate_restrided_in_place_stays_a_view():
+    """Seed 81 program 39606: view_as_real of a complex intermediate, reshaped, squeeze_()d, returned
+    with the intermediate: as_strided cannot change dtype, so it was returned as a plain tensor (not
+    a view of output 0 as in eager); the recorded chain plus an as_strided in the real view's own
+    coordinates now rebuilds it."""
+
+    def f(a0):
+        v2 = (a0 + a0.t()).sum(-1)
+        v5 = torch.view_as_real(v2).reshape((2, 1))
+        v5.squeeze_()
+        return (v2, v5)
+
+    check_against_eager(f, _as_leaf(2, dtype=torch.complex64, requires_grad=False))

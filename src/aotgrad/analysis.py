@@ -233,13 +233,17 @@ def view_chain(
 
 
 def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_steps: int | None) -> ViewChain | None:
-    """`out`'s recorded view ops, if replaying them on the base's current layout gives `out` exactly
-    (replaying a view function after in-place metadata ops is only tried for dtype views: torch has
-    crashed replaying some)."""
+    """`out`'s recorded view ops replayed on the base's current layout, then an as_strided to `out`'s
+    own geometry if an in-place op restrided it (replaying a view function after in-place metadata
+    ops is only tried for dtype views, which as_strided alone cannot express: torch has crashed
+    replaying some)."""
     recorded = _record_chain(out, _probe_like(base, requires_grad=base.requires_grad))
-    if recorded is None or recorded[1].dtype != out.dtype or meta_of(recorded[1]) != meta_of(out):
+    if recorded is None or recorded[1].dtype != out.dtype:
         return None
     steps = recorded[0]
+    if meta_of(recorded[1]) != meta_of(out):
+        # restrided in place after the dtype view: as_strided in the dtype view's own coordinates
+        steps = (*steps, ViewStep(torch.ops.aten.as_strided.default, meta_of(out), ()))
     if grad_steps is None:
         return ViewChain(steps=steps)
     if grad_steps > len(steps):
@@ -283,3 +287,36 @@ def _is_view_backward(name: str) -> bool:
     return stem.endswith("Backward") and stem[: -len("Backward")] in _VIEW_BACKWARDS
 
 
+
+
+def view_possible(size, stride, shape) -> bool | None:
+    """Whether `view(shape)` works on a tensor laid out as (size, stride), by ATen's rule (None when a
+    size is symbolic). Fake tensors answer wrongly for some layouts with stride-0 dimensions (an
+    expand()), so the answer is computed here: view merges a run of dimensions only where they are
+    contiguous with one another."""
+    shape = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape)
+    if not all(isinstance(x, int) for x in (*size, *stride, *shape)):
+        return None
+    numel = 1
+    for n in size:
+        numel *= n
+    if -1 in shape:
+        known = 1
+        for n in shape:
+            known *= n if n != -1 else 1
+        shape[shape.index(-1)] = numel // known if known else 0
+    if numel == 0 or not size:
+        return True
+    view_d, view_numel, tensor_numel = len(shape) - 1, 1, 1
+    chunk_stride = stride[-1]
+    for d in range(len(size) - 1, -1, -1):
+        tensor_numel *= size[d]
+        if d == 0 or (size[d - 1] != 1 and stride[d - 1] != tensor_numel * chunk_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or shape[view_d] == 1):
+                view_numel *= shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if d > 0:
+                chunk_stride, tensor_numel, view_numel = stride[d - 1], 1, 1
+    return view_d == -1

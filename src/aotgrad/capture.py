@@ -863,9 +863,4 @@ def _copy_before_unviewable_views(graph: torch.fx.Graph) -> None:
 
 
 def _can_view(src: torch.Tensor, shape) -> bool:
-    try:
-        probe = torch.empty_strided(tuple(src.shape), tuple(src.stride()), dtype=src.dtype, device="meta")
-        probe.view(shape)
-    except (RuntimeError, TypeError, ValueError):  # not viewable; or symbolic sizes: leave it be
-        return not all(isinstance(x, int) for x in (*src.shape, *src.stride(), *shape))
-    return True
+    return analysis.view_possible(src.shape, src.stride(), shape) is not False  # symbolic: leave it be

@@ -435,6 +435,9 @@ def _reshape_as_on_caller_layout(func, t: FunctionalTensor, *shape, **kwargs):
 
 
 def _can_view(t: torch.Tensor, shape) -> bool:
+    possible = analysis.view_possible(t.shape, t.stride(), shape)
+    if possible is not None:
+        return possible
     try:
         with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
             probe = analysis._probe_like(t, requires_grad=False)
