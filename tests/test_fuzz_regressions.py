@@ -423,15 +423,18 @@ def test_as_strided_offsets_on_views_of_inputs_that_require_grad(body, shape, ma
     check_against_eager(f, make)
 
 
-def test_as_strided_outside_an_input_that_requires_grad_is_refused():
-    """Reading elements of the caller's storage outside the input cannot be traced on its clone."""
+def test_as_strided_outside_an_input_that_requires_grad():
+    """Reading elements of the caller's storage outside the input cannot be traced on its clone; it
+    was refused, and now reads the graph input itself (the clone is unmutated)."""
 
     def f(a):
         return (a.as_strided((2,), (1,), 0) * 2,)
 
-    r = _leaf(3)
-    with pytest.raises(UnsupportedAliasingError, match="as_strided with storage offset 0 on input 0"):
-        aot_function(f, nop)(r.clone()[1:])
+    def make():
+        r = _leaf(3)
+        return (r,), (r.clone()[1:],)
+
+    check_against_eager(f, make)
 
 
 @pytest.mark.parametrize(
@@ -959,3 +962,40 @@ def test_dtype_view_of_intermediate_restrided_in_place_stays_a_view():
         return (v2, v5)
 
     check_against_eager(f, _as_leaf(2, dtype=torch.complex64, requires_grad=False))
+
+
+def _leaf_at_offset(offset=5, n=10, seed=0):
+    """make_inputs: a leaf that requires grad at a non-zero offset of a larger storage (as OpInfo's
+    as_strided.partial_views builds it)."""
+
+    def make():
+        storage = _leaf(offset + n, requires_grad=False, seed=seed).untyped_storage()
+        x = torch.empty(0)
+        x.set_(storage, offset, (n,), (1,))
+        x.requires_grad_()
+        return (x,), (x,)
+
+    return make
+
+
+@pytest.mark.parametrize("offset", [0, 2, 10])
+def test_as_strided_reading_storage_around_a_leaf_input(offset):
+    """OpInfo as_strided.partial_views: as_strided with an absolute offset that reaches storage outside
+    a leaf input that requires grad (traced as a copy of its own elements) was refused; while the copy
+    is unmutated the read now goes to the graph input itself."""
+    check_against_eager(lambda x: x.as_strided((2, 2), (1, 2), offset), _leaf_at_offset())
+    check_against_eager(lambda x: (x.as_strided((2, 2), (1, 2), offset) * x[:4].view(2, 2)).sum(), _leaf_at_offset())
+
+
+def test_as_strided_read_around_an_input_then_its_mutation_is_refused():
+    def f(x):
+        y = x.as_strided((2, 2), (1, 2), 0)
+        x.mul_(2)
+        return y * 1
+
+    def make():
+        r = _leaf(6)
+        return (r,), ((r * 1)[1:],)
+
+    with pytest.raises(UnsupportedAliasingError, match="reads storage outside input 0 with as_strided"):
+        aot_function(f, nop)(*make()[1])

@@ -248,8 +248,10 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         b._aotgrad_in_overlapping = overlaps_itself(*b._aotgrad_caller_meta[:2])
     # Absolute storage offsets recorded on a clone are off by this much on the caller's tensor.
     shifts = [_offset_shift(p, b) for p, b in zip(primals, bases)]
-    for k, b in enumerate(bases):
+    for k, (b, f) in enumerate(zip(bases, funs)):
         b._aotgrad_primal = (k, shifts[k])
+        if b is not f:  # the graph input itself, for as_strided reads outside the copy (trace_modes)
+            b._aotgrad_input_value, b._aotgrad_clone_mutations = f, analysis.mutation_count(b)
     before = [(b.grad_fn, analysis.mutation_count(b)) for b in bases]
     versions = [_version(b) for b in bases]
     user_leaves = _user_leaves(layout, leaves, bases, shifts, mode)
@@ -423,6 +425,12 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
                 f"aotgrad: {name} is set_() to another tensor and also mutated where autograd records "
                 "it; aotgrad cannot replay both. Do the data mutation under torch.no_grad()."
             )
+        if getattr(b, "_aotgrad_read_caller_storage", False) and (m.data or m.metadata or m.storage):
+            raise UnsupportedAliasingError(
+                f"aotgrad: the program reads storage outside {name} with as_strided (an absolute storage "
+                "offset) and also mutates it; aotgrad traces that input (it requires grad) as a copy, so the "
+                "read would miss the mutation. Use views relative to the input, or mutate a .clone()."
+            )
         if m.data and analysis.meta_of(b) != analysis.meta_of(analysis.unwrap(b)):
             # The functional value of a mutated non-dense input lost the input's layout; metadata read
             # off its views is not in the caller's storage coordinates.
@@ -523,6 +531,9 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
         if isinstance(x, torch.Tensor):
             leaf_of.setdefault(id(x), i)
     base_storage = {analysis.storage_id(b): k for k, b in enumerate(bases)}
+    for k, b in enumerate(bases):
+        if getattr(b, "_aotgrad_read_caller_storage", False):
+            base_storage.setdefault(analysis.storage_id(b._aotgrad_input_value), k)
     position_of: dict[int, int] = {}
     pending = []  # views of intermediates: resolved once plain outputs have graph indices
     values = list(flat_out) + _detached_bases(flat_out, leaf_of, base_storage, bases)
@@ -626,6 +637,14 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
             "detach_()es; "
             "aotgrad cannot tell views taken before the detach from views taken after. Return a .clone()."
         )
+    value = getattr(bases[k], "_aotgrad_input_value", None)
+    if value is not None and analysis.storage_id(o) == analysis.storage_id(value):
+        # an as_strided read of the caller's storage around the input: replay it on the input itself
+        chain = analysis.view_chain(o, value, False)
+        if chain is None:
+            raise UnsupportedAliasingError(f"aotgrad: {name} reads storage around {_primal_name(layout, k)} "
+                                           "through as_strided and cannot be rebuilt as a view. Return a .clone().")
+        return AliasOfPrimal(k, chain)
     chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
     if chain is None:
         restrided_view = torch._functionalize_has_metadata_mutation(o.elem) or getattr(o, "_aotgrad_restrided_view", False)

@@ -334,6 +334,13 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             return args, kwargs
         new_offset = None if shift is None else offset - shift
         if new_offset is None or not _inside(root, size, stride, new_offset):
+            value = getattr(root, "_aotgrad_input_value", None)
+            unmutated = value is not None and analysis.mutation_count(root) == root._aotgrad_clone_mutations
+            if unmutated and func in (torch.as_strided, torch.Tensor.as_strided):
+                # Read the caller's storage through the graph input itself (the copy equals it so far;
+                # capture refuses a later mutation of the input).
+                root._aotgrad_read_caller_storage = True
+                return (value, size, stride, offset), {}
             raise UnsupportedAliasingError(
                 f"aotgrad: as_strided with storage offset {offset} on {_describe_tensor(args[0])} addresses "
                 "the caller's storage directly, but aotgrad traces that input (it requires grad) as a copy "
