@@ -999,3 +999,39 @@ def test_as_strided_read_around_an_input_then_its_mutation_is_refused():
 
     with pytest.raises(UnsupportedAliasingError, match="reads storage outside input 0 with as_strided"):
         aot_function(f, nop)(*make()[1])
+
+
+def test_in_place_metadata_op_on_a_read_around_an_input_is_refused():
+    """Seed 102 program 10352 (on the first version of the as_strided read above): t_() of such a
+    read went unseen (eager bumps the input's version; aotgrad did not). Only a direct as_strided of
+    the input reads around it now, and in-place ops on the result are refused."""
+
+    def f(x):
+        v = x.as_strided((2, 1), (0, 1), 0)
+        v.t_()
+        return v * 1
+
+    with pytest.raises(UnsupportedAliasingError, match="reads the caller's storage outside an input"):
+        aot_function(f, nop)(*_leaf_at_offset()()[1])
+
+
+def test_stale_view_of_a_base_whose_rank_changed_is_refused_without_replay():
+    """Seed 101 program 1593: replaying a 0-d view's recorded view ops (split, then view) on a base
+    unsqueeze_()d since crashed torch (segfault). A view whose base changed rank is refused as stale
+    without replaying."""
+
+    def f(a1, a2):
+        v2 = a1.split(2, 0)[1]
+        a1.view((3,)).mul_(2)
+        a1.unsqueeze_(-2)
+        with torch.no_grad():
+            v6 = v2.view(())
+        return a2 - v6
+
+    def make():
+        r1 = _leaf(3, dtype=torch.complex64)
+        c1 = r1.clone()
+        return (r1,), (c1.view(3), c1)
+
+    with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.unsqueeze_"):
+        aot_function(f, nop)(*make()[1])

@@ -56,6 +56,13 @@ class Functionalize(FunctionalTensorMode):
                     self._check_not_stale(func, a, written=any(a is w for w in written))
         if is_metadata_op:
             self._note_metadata_op(func, args[0])
+        for a in [args[0]] if is_metadata_op else _written_args(func, args):
+            if getattr(a, "_aotgrad_caller_storage_read", False):
+                raise UnsupportedAliasingError(
+                    f"aotgrad: {func} on an as_strided view that reads the caller's storage outside an input "
+                    "that requires grad (traced as a copy of its own elements); aotgrad does not follow "
+                    "in-place ops on it. Use out-of-place ops, or take the view from a .clone()."
+                )
         schema = getattr(func, "_schema", None)
         if schema is not None and not torch._library.utils.is_builtin(func):
             _check_custom_op(func, schema)
@@ -141,6 +148,8 @@ class Functionalize(FunctionalTensorMode):
         rebuild it on its base with another size/stride/offset: eager uses the view's own geometry.
         A write through a view whose own layout was changed in place (or a view of one) is checked
         too: autograd's view function of it predates that change."""
+        if getattr(a, "_aotgrad_caller_storage_read", False):
+            return  # a view of the graph input itself, which no in-place op touches (refused above)
         remembered = getattr(a, "_aotgrad_layout", None)
         restrided = written and getattr(a, "_aotgrad_restrided_view", False)
         if remembered is None or (remembered == self.metadata_ops and not restrided) or not a._is_view():
@@ -185,6 +194,8 @@ def _same_elements(meta, other) -> bool:
 def _replayed_on_current_base(view: FunctionalTensor):
     """The (size, stride, offset) `view`'s recorded view function gives on its base's current layout
     (None if it does not apply any more)."""
+    if view._base.dim() != getattr(view, "_aotgrad_base_dim", view._base.dim()):
+        return None  # replaying view ops recorded for another rank has crashed torch (segfault)
     replayed = _replayed_on(view, view._base, None)
     return None if replayed is None else analysis.meta_of(replayed)
 
@@ -239,11 +250,14 @@ def _note_views(func, src: torch.Tensor, out) -> None:
     caller_meta = getattr(src, "_aotgrad_caller_meta", None)
     overlapping_input = caller_meta is not None and overlaps_itself(*caller_meta[:2])
     for t in outs:
+        t._aotgrad_base_dim = (t._base if t._base is not None else src).dim()
         made_overlapping = func is torch.ops.aten.as_strided.default and overlaps_itself(t.shape, t.stride())
         if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
             t._aotgrad_in_overlapping = True
         if getattr(src, "_aotgrad_restrided_view", False):
             t._aotgrad_restrided_view = True
+        if getattr(src, "_aotgrad_caller_storage_read", False):
+            t._aotgrad_caller_storage_read = True
 
 
 def _check_custom_op(func, schema) -> None:
@@ -304,6 +318,10 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             args[0].grad_fn  # noqa: B018
         if func in _AS_STRIDED and args and isinstance(args[0], FunctionalTensor):
             args, kwargs = self._in_clone_coordinates(func, args, kwargs)
+            if getattr(args[0], "_aotgrad_graph_input_value", False):  # redirected to the graph input
+                out = func(*args, **kwargs)
+                out._aotgrad_caller_storage_read = True  # no in-place op on it (Functionalize refuses)
+                return out
         if func is torch.Tensor.contiguous and args and isinstance(args[0], FunctionalTensor):
             return _contiguous_as_on_caller_layout(args[0], **kwargs)
         if func in (torch.Tensor.reshape, torch.reshape) and args and isinstance(args[0], FunctionalTensor):
@@ -336,10 +354,11 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         if new_offset is None or not _inside(root, size, stride, new_offset):
             value = getattr(root, "_aotgrad_input_value", None)
             unmutated = value is not None and analysis.mutation_count(root) == root._aotgrad_clone_mutations
-            if unmutated and func in (torch.as_strided, torch.Tensor.as_strided):
+            if unmutated and args[0] is root and func in (torch.as_strided, torch.Tensor.as_strided):
                 # Read the caller's storage through the graph input itself (the copy equals it so far;
                 # capture refuses a later mutation of the input).
                 root._aotgrad_read_caller_storage = True
+                value._aotgrad_graph_input_value = True  # __torch_function__ marks the view it makes
                 return (value, size, stride, offset), {}
             raise UnsupportedAliasingError(
                 f"aotgrad: as_strided with storage offset {offset} on {_describe_tensor(args[0])} addresses "
