@@ -174,18 +174,7 @@ def test_modules_train_steps(pf):
         (nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 2, 1)),
          torch.randn(2, 3, 8, 8)),
     ]
-    for eager, x in models:
-        test = copy.deepcopy(eager)
-        compiled = aot_module(test, nop, partition_fn=pf)
-        for _ in range(2):
-            ref, out = eager(x), compiled(x)
-            torch.testing.assert_close(out, ref)
-            ref.square().sum().backward()
-            out.square().sum().backward()
-        for (name, p), q in zip(eager.named_parameters(), test.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, msg=name)
-        for (name, b), c in zip(eager.named_buffers(), test.buffers()):
-            torch.testing.assert_close(c, b, msg=name)
+    _train_like_eager(models, pf)
 
 
 @EVERY
@@ -383,18 +372,7 @@ def test_budget_split_modules_train_like_eager(budget):
         (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
                        nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4)), torch.randn(4, 3, 8, 8)),
     ]
-    for eager, x in models:
-        test = copy.deepcopy(eager)
-        compiled = aot_module(test, nop, partition_fn=mincut_partitioner(budget))
-        for _ in range(2):
-            ref, out = eager(x), compiled(x)
-            torch.testing.assert_close(out, ref)
-            ref.square().sum().backward()
-            out.square().sum().backward()
-        for (name, p), q in zip(eager.named_parameters(), test.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, msg=name)
-        for (name, b), c in zip(eager.named_buffers(), test.buffers()):
-            torch.testing.assert_close(c, b, msg=name)
+    _train_like_eager(models, mincut_partitioner(budget))
 
 
 def test_budget_sweep_with_splitting_is_monotone_and_on_target():
@@ -634,3 +612,20 @@ def test_report_for_a_module_and_default_partition():
     assert {r.source for r in rep.residuals if r.op == "input"} == {"input", "2.weight"}  # the base, not its view
     assert rep.runtime_count == len(rep.saved_tensors) == 3
     assert mod[0].weight.grad is None
+
+
+def _train_like_eager(models, partition_fn) -> None:
+    """Two training steps of each (module, input) through aot_module: outputs, grads and buffers
+    (BatchNorm's running stats) equal eager's."""
+    for eager, x in models:
+        test = copy.deepcopy(eager)
+        compiled = aot_module(test, nop, partition_fn=partition_fn)
+        for _ in range(2):
+            ref, out = eager(x), compiled(x)
+            torch.testing.assert_close(out, ref)
+            ref.square().sum().backward()
+            out.square().sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), test.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+        for (name, b), c in zip(eager.named_buffers(), test.buffers()):
+            torch.testing.assert_close(c, b, msg=name)
