@@ -75,7 +75,7 @@ class Functionalize(FunctionalTensorMode):
             _remember_layout(args[0], self.metadata_ops)
             if args[0]._is_view():
                 # autograd's view function of this view (and of views taken from it) no longer describes it
-                args[0]._aotgrad_restrided_view = True
+                args[0]._aotgrad_restrided_view = (func, _describe_tensor(args[0]))  # truthy: which op
         if is_view_op:
             _note_views(func, args[0], out)
             epoch = getattr(args[0], "_aotgrad_layout", self.metadata_ops)
@@ -90,7 +90,7 @@ class Functionalize(FunctionalTensorMode):
         self.metadata_ops += 1
         self.last_metadata_op = (func, _describe_tensor(a))
         if a._is_view():  # incl. inputs traced as views of a synthetic base
-            _alias_root(a)._aotgrad_member_restrided = (func, _describe_tensor(a))
+            _alias_root(a)._aotgrad_view_restrided = (func, _describe_tensor(a))
         if getattr(a, "_aotgrad_shares_input_memory", False) and getattr(a, "_aotgrad_caller_not_view", False):
             raise UnsupportedMutationError(
                 f"aotgrad: {func} on {_describe_tensor(a)}, which shares memory with another input: eager's "
@@ -121,14 +121,14 @@ class Functionalize(FunctionalTensorMode):
         place (`v.unsqueeze_(1); v.mul_(w)`) wrong whenever a gradient flows through it (measured: the
         base's gradient misses the write's factor, a broadcast operand's is summed once per element)."""
         own = getattr(written, "_aotgrad_restrided_view", False)
-        member_restrided = None if own else getattr(_alias_root(written), "_aotgrad_member_restrided", None)
-        restrided = own or member_restrided is not None
+        view_restrided = None if own else getattr(_alias_root(written), "_aotgrad_view_restrided", None)
+        restrided = own or view_restrided is not None
         if not (restrided and torch.is_grad_enabled()):
             return
         if not any(isinstance(t, torch.Tensor) and _requires_grad(t) for t in pytree.tree_leaves(args)):
             return
-        op, on = member_restrided or self.last_metadata_op
-        if member_restrided is not None:
+        op, on = view_restrided or own
+        if view_restrided is not None:
             raise UnsupportedMutationError(
                 f"aotgrad: {func} writes into {_describe_tensor(written)}, which shares memory with {on}, restrided "
                 f"in place by {op} before, with gradients flowing: eager rebuilds the restrided view's autograd "
@@ -255,7 +255,7 @@ def _note_views(func, src: torch.Tensor, out) -> None:
         if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
             t._aotgrad_in_overlapping = True
         if getattr(src, "_aotgrad_restrided_view", False):
-            t._aotgrad_restrided_view = True
+            t._aotgrad_restrided_view = src._aotgrad_restrided_view
         if getattr(src, "_aotgrad_caller_storage_read", False):
             t._aotgrad_caller_storage_read = True
 
