@@ -1035,3 +1035,36 @@ def test_stale_view_of_a_base_whose_rank_changed_is_refused_without_replay():
 
     with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.unsqueeze_"):
         aot_function(f, nop)(*make()[1])
+
+
+def test_as_strided_of_a_detached_input_view_at_a_storage_offset():
+    """Seed 122 program 19970: an output rebuilt from a hidden `.detach()` of an input (at storage
+    offset 1) replayed its as_strided step with the offset of the input's traced copy (0), reading the
+    caller's element 0. Steps replayed from another output now move to the caller's storage offsets."""
+
+    def f(a):
+        return (a.detach().as_strided((3,), (0,), 1)[-2:2:2],)
+
+    def make():
+        r = _leaf(4)
+        return (r,), (r.clone().as_strided((), (), 1),)
+
+    compiled = aot_function(f, nop)
+    for _ in range(2):
+        check_against_eager(f, make, compiled=compiled)
+
+
+def test_real_of_a_view_taken_before_its_base_was_transposed_in_place():
+    """Seed 122 program 20366: `.real` of a view taken before transpose_() of its base was rebuilt as
+    the replayed view ops then an as_strided to the view's layout; the values were right but the
+    as_strided's backward dropped gradients outside the replayed view's elements. It is now the base
+    reinterpreted as real numbers, then one as_strided."""
+
+    def f(a):
+        v = a.select(1, -2)
+        a.transpose_(2, 1)
+        return (v.real.squeeze(),)
+
+    compiled = aot_function(f, nop)
+    for _ in range(2):
+        check_against_eager(f, _as_clone(2, 2, 4, dtype=torch.complex64), compiled=compiled)

@@ -233,17 +233,25 @@ def view_chain(
 
 
 def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_steps: int | None) -> ViewChain | None:
-    """`out`'s recorded view ops replayed on the base's current layout, then an as_strided to `out`'s
-    own geometry if an in-place op restrided it (replaying a view function after in-place metadata
-    ops is only tried for dtype views, which as_strided alone cannot express: torch has crashed
-    replaying some)."""
+    """`out`'s recorded view ops replayed on the base's current layout, or, if an in-place op restrided
+    it, the base reinterpreted as real numbers and an as_strided to `out`'s own geometry (replaying a
+    view function after in-place metadata ops is only tried for dtype views, which as_strided alone
+    cannot express: torch has crashed replaying some)."""
     recorded = _record_chain(out, _probe_like(base, requires_grad=base.requires_grad))
     if recorded is None or recorded[1].dtype != out.dtype:
         return None
     steps = recorded[0]
     if meta_of(recorded[1]) != meta_of(out):
-        # restrided in place after the dtype view: as_strided in the dtype view's own coordinates
-        steps = (*steps, ViewStep(torch.ops.aten.as_strided.default, meta_of(out), ()))
+        # The replay does not give `out`'s layout (its base, or a view on the way, was restrided in
+        # place). An as_strided after the replay would give the right values but lose gradients for
+        # elements outside the replayed view, so reinterpret the whole base, then as_strided in the new
+        # dtype's coordinates.
+        if base.dtype.to_real() != out.dtype or not base.is_complex() or grad_steps not in (None, 0):
+            return None
+        steps = (
+            ViewStep(torch.ops.aten.view_as_real.default, (), ()),
+            ViewStep(torch.ops.aten.as_strided.default, meta_of(out), ()),
+        )
     if grad_steps is None:
         return ViewChain(steps=steps)
     if grad_steps > len(steps):

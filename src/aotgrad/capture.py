@@ -340,11 +340,15 @@ def _offset_shift(primal: torch.Tensor, base: FunctionalTensor) -> int | None:
 
 def _shifted(name: str, shift: int | None, size, stride, offset) -> tuple:
     if shift is None:
-        raise UnsupportedAliasingError(
-            f"aotgrad: {name} has overlapping memory (e.g. an expand()) and requires grad; aotgrad cannot "
-            "replay a metadata mutation or an as_strided alias of it. Pass a .contiguous() copy."
-        )
+        raise _overlapping_input(name)
     return size, stride, offset + shift
+
+
+def _overlapping_input(name: str) -> AotgradError:
+    return UnsupportedAliasingError(
+        f"aotgrad: {name} has overlapping memory (e.g. an expand()) and requires grad; aotgrad cannot "
+        "replay a metadata mutation or an as_strided alias of it. Pass a .contiguous() copy."
+    )
 
 
 def _no_storage_coordinates(what: str) -> AotgradError:
@@ -551,6 +555,7 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
             # A view of an output we rebuild ourselves (e.g. of a .detach()): rebuild it from that one.
             chain = analysis.view_chain(o, o._base, torch._functionalize_has_metadata_mutation(o._base.elem))
             if chain is not None:
+                chain = _chain_in_caller_coordinates(fw, layout, f"output {pos}", o, chain, base_storage, bases, shifts)
                 sources[pos] = AliasOfOutput(q, chain)
                 continue
         name = f"output {pos}" if pos < len(flat_out) else "the .detach() of an input that an output views"
@@ -669,6 +674,22 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
     if shifts[k]:
         chain = replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
     return AliasOfPrimal(k, chain)
+
+
+def _chain_in_caller_coordinates(fw, layout, name, o, chain, base_storage, bases, shifts):
+    """A chain rebuilding `o` from another output that aliases an input's traced copy: its as_strided
+    steps hold absolute offsets in the copy's storage, which the caller's tensor has shifted."""
+    k = base_storage.get(analysis.storage_id(o))
+    as_strided = chain.as_strided is not None or any(step.op is torch.ops.aten.as_strided.default for step in chain.steps)
+    if k is None or not as_strided or analysis.storage_id(o) != analysis.storage_id(bases[k]):
+        return chain
+    if k in fw.relayout:
+        raise _no_storage_coordinates(f"{name} (an as_strided view of {_primal_name(layout, k)})")
+    if shifts[k] is None:
+        raise _overlapping_input(_primal_name(layout, k))
+    if chain.as_strided is not None:
+        chain = replace(chain, as_strided=_shifted(name, shifts[k], *chain.as_strided))
+    return replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
 
 
 def _in_caller_coordinates(step, shift: int):
