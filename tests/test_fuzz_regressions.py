@@ -1068,3 +1068,41 @@ def test_real_of_a_view_taken_before_its_base_was_transposed_in_place():
     compiled = aot_function(f, nop)
     for _ in range(2):
         check_against_eager(f, _as_clone(2, 2, 4, dtype=torch.complex64), compiled=compiled)
+
+
+def test_view_of_one_of_two_real_views_of_a_complex_input_keeps_eager_base():
+    """Seed 131 program 22166: two `.real` views of one complex tensor (one mutated) reach the graph
+    as one flat real tensor over their storage; a returned view of one of them was rebuilt on that
+    flat tensor, so its `._base` was not the caller's complex tensor. It is now rebuilt from the
+    caller's argument it was taken from."""
+
+    def f(a0, a1):
+        v0 = a0[-2:3]
+        a1.clamp_(0, 1)
+        return (v0, v0)
+
+    def make():
+        r = _leaf(4, dtype=torch.complex64, requires_grad=False)
+        c = r.clone()
+        return (r,), (c.real, c.real)
+
+    compiled = aot_function(f, nop)
+    for _ in range(2):
+        check_against_eager(f, make, compiled=compiled)
+
+
+def test_write_with_grad_into_a_view_taken_before_its_base_was_transposed_in_place_is_refused():
+    """Seed 132 program 16645: a write that brings gradients (`v.copy_(w)`, w requires grad) into a
+    view of a tensor that did not require grad, taken before t_() of that tensor. Autograd in the
+    trace rebuilds the view from the transposed base, eager keeps its elements: the gradient of w was
+    transposed. The stale-view check only looked at views that already required grad."""
+
+    def f(a0, a1, a2):
+        v0 = a2.transpose(-2, 1)
+        a2.t_()
+        v0.copy_(a1)
+        return (a0,)
+
+    args = (_leaf(1, 1, 1, requires_grad=False), _leaf(1, 2, seed=1), _leaf(2, 2, requires_grad=False, seed=2))
+    with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.t_"):
+        aot_function(f, nop)(*args)

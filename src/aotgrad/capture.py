@@ -47,6 +47,7 @@ from .errors import (
 )
 from .plan import (
     AliasOfGraphOutput,
+    AliasOfLeaf,
     AliasOfOutput,
     AliasOfPrimal,
     BumpVersion,
@@ -68,6 +69,7 @@ from .plan import (
     SetRequiresGrad,
     SetToOutput,
     SetToPrimal,
+    StorageOfLeaf,
     UserOutput,
 )
 from .trace_modes import Functionalize, TraceHooks, overlaps_itself
@@ -373,6 +375,7 @@ def _user_leaves(layout: InputLayout, leaves, bases, shifts, mode) -> list:
             view._aotgrad_shares_input_memory = True
             view._aotgrad_name = f"input {i}"
             view._aotgrad_caller_not_view = not leaves[i]._is_view()
+            view._aotgrad_member_leaf = i  # views of it inherit this (trace_modes._note_views)
             out.append(view)
         else:
             out.append(bases[layout.leaf_primal[i]])
@@ -673,7 +676,17 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
         chain = replace(chain, as_strided=_shifted(f"{name}", shifts[k], *chain.as_strided))
     if shifts[k]:
         chain = replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
+    leaf = getattr(o, "_aotgrad_member_leaf", None)
+    if leaf is not None and isinstance(layout.primal_sources[k], StorageOfLeaf) and not m.storage and _starts_absolute(chain):
+        return AliasOfLeaf(leaf, chain)
     return AliasOfPrimal(k, chain)
+
+
+def _starts_absolute(chain) -> bool:
+    """The chain's first op places the view in storage coordinates (any tensor on that storage will do)."""
+    if chain.as_strided is not None:
+        return True
+    return bool(chain.steps) and chain.steps[0].op is torch.ops.aten.as_strided.default
 
 
 def _chain_in_caller_coordinates(fw, layout, name, o, chain, base_storage, bases, shifts):

@@ -244,6 +244,17 @@ class AliasOfPrimal:
 
 
 @dataclass(frozen=True)
+class AliasOfLeaf:
+    """The user output is a view of the caller's argument `leaf`, one of several inputs that share a
+    storage and reach the graph as one flat tensor (`StorageOfLeaf`). `chain` starts with an
+    as_strided in storage coordinates, so it replays on the caller's tensor as on the flat one; the
+    output's `._base` is then the caller's tensor's, as in eager."""
+
+    leaf: int
+    chain: ViewChain
+
+
+@dataclass(frozen=True)
 class AliasOfGraphOutput:
     """The user output is a view of forward-graph output `index` (an intermediate base)."""
 
@@ -266,7 +277,9 @@ class AliasOfOutput:
     chain: ViewChain
 
 
-OutputSource = GraphOutput | Constant | InputItself | AliasOfPrimal | AliasOfGraphOutput | SameAs | AliasOfOutput
+OutputSource = (
+    GraphOutput | Constant | InputItself | AliasOfPrimal | AliasOfLeaf | AliasOfGraphOutput | SameAs | AliasOfOutput
+)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .compile import CompiledForward
 from .inputs import storage_base
 from .plan import (
     AliasOfGraphOutput,
+    AliasOfLeaf,
     AliasOfOutput,
     AliasOfPrimal,
     BaseOfLeaf,
@@ -244,6 +245,8 @@ def _emit_output(src: _Source, i: int, s, names: dict[int, str]) -> str:
         return names[s.position]
     if isinstance(s, AliasOfPrimal):
         base = f"p{s.primal}"
+    elif isinstance(s, AliasOfLeaf):
+        base = f"l{s.leaf}"
     elif isinstance(s, AliasOfGraphOutput):
         base = f"r{s.index}"
     else:

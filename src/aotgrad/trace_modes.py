@@ -51,9 +51,11 @@ class Functionalize(FunctionalTensorMode):
         if self.metadata_ops:
             # A view of a stale view is as stale (it inherits the epoch below): checked where it is used.
             written = _written_args(func, args)
+            grad_in = any(isinstance(t, torch.Tensor) and _requires_grad(t) for t in pytree.tree_leaves(args))
             for a in pytree.tree_leaves(args[1:] if is_view_op else args):  # cat/stack take lists
                 if isinstance(a, FunctionalTensor):
-                    self._check_not_stale(func, a, written=any(a is w for w in written))
+                    w = any(a is w for w in written)
+                    self._check_not_stale(func, a, written=w, gets_grad=w and grad_in)
         if is_metadata_op:
             self._note_metadata_op(func, args[0])
         for a in [args[0]] if is_metadata_op else _written_args(func, args):
@@ -142,19 +144,21 @@ class Functionalize(FunctionalTensorMode):
             "through a fresh view."
         )
 
-    def _check_not_stale(self, func, a: FunctionalTensor, *, written: bool) -> None:
-        """Refuse a use of a view that requires grad, taken before an in-place metadata op on a tensor
-        sharing its memory, if autograd (which replays view functions during the trace) would now
-        rebuild it on its base with another size/stride/offset: eager uses the view's own geometry.
-        A write through a view whose own layout was changed in place (or a view of one) is checked
-        too: autograd's view function of it predates that change."""
+    def _check_not_stale(self, func, a: FunctionalTensor, *, written: bool, gets_grad: bool) -> None:
+        """Refuse a use of a view that requires grad (or a write that makes it require grad), taken
+        before an in-place metadata op on a tensor sharing its memory, if autograd (which replays view
+        functions during the trace) would now rebuild it on its base with another size/stride/offset:
+        eager uses the view's own geometry. A write through a view whose own layout was changed in
+        place (or a view of one) is checked too: autograd's view function of it predates that change."""
         if getattr(a, "_aotgrad_caller_storage_read", False):
             return  # a view of the graph input itself, which no in-place op touches (refused above)
         remembered = getattr(a, "_aotgrad_layout", None)
         restrided = written and getattr(a, "_aotgrad_restrided_view", False)
         if remembered is None or (remembered == self.metadata_ops and not restrided) or not a._is_view():
             return
-        if not (torch.is_grad_enabled() and _requires_grad(a)) or a.numel() == 0:
+        if restrided and not _requires_grad(a):
+            return  # a write bringing gradients through a restrided view: _check_not_restrided refuses it
+        if not (torch.is_grad_enabled() and (_requires_grad(a) or gets_grad)) or a.numel() == 0:
             return  # autograd does not rebuild it now, or there is nothing to get wrong
         replayed = _replayed_on_current_base(a)
         if replayed is not None and _same_elements(replayed, analysis.meta_of(a)):
@@ -258,6 +262,8 @@ def _note_views(func, src: torch.Tensor, out) -> None:
             t._aotgrad_restrided_view = src._aotgrad_restrided_view
         if getattr(src, "_aotgrad_caller_storage_read", False):
             t._aotgrad_caller_storage_read = True
+        if hasattr(src, "_aotgrad_member_leaf"):
+            t._aotgrad_member_leaf = src._aotgrad_member_leaf
 
 
 def _check_custom_op(func, schema) -> None:
