@@ -822,20 +822,26 @@ def test_write_through_restrided_view_with_grad_is_refused():
         aot_function(f, nop)(*make()[1])
 
 
-def test_backward_view_on_value_functionalization_laid_out_differently():
-    """Seed 61 program 24645: after unsqueeze_/transpose_ of an input and a write through an older
-    view, the traced backward recorded a `view` that only functionalization's inner layout allowed;
-    the compiled backward failed on real tensors. Such views now get a contiguous copy."""
+@pytest.mark.parametrize("write", [lambda v, w: v.fill_(1.5), lambda v, w: v.mul_(w)], ids=["fill_", "mul_"])
+def test_write_through_a_view_older_than_a_transpose_of_its_base_is_refused(write):
+    """Seed 61 program 24645: after unsqueeze_/transpose_ of an input, a write through an older view.
+    First the compiled backward crashed (it recorded a `view` only functionalization's inner layout
+    allowed; such views now get a contiguous copy); then `fill_` matched eager, but only because a
+    constant fill does not care which element goes where: with `mul_(w)` the values were silently
+    wrong. The view's replay on the transposed base is one only fake tensors accept (seed 141 program
+    13580), so both are now refused."""
 
-    def f(a1):
+    def f(a1, w):
         a1.unsqueeze_(1)
         v0 = a1.mul_(0.5)
         v1 = v0.reshape((3, 1, 2))
         v0.transpose_(-4, -1)
-        v1.fill_(1.5)
+        write(v1, w)
         return (a1[:, -1:],)
 
-    check_against_eager(f, _as_clone(3, 1, 2))
+    args = (_leaf(3, 1, 2).clone(), _leaf(3, 1, 2, seed=1))
+    with pytest.raises(UnsupportedMutationError, match="view ops that no longer apply to it"):
+        aot_function(f, nop)(*args)
 
 
 def test_fake_tensor_cache_does_not_leak_a_stale_storage_offset():
@@ -1106,3 +1112,38 @@ def test_write_with_grad_into_a_view_taken_before_its_base_was_transposed_in_pla
     args = (_leaf(1, 1, 1, requires_grad=False), _leaf(1, 2, seed=1), _leaf(2, 2, requires_grad=False, seed=2))
     with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.t_"):
         aot_function(f, nop)(*args)
+
+
+def test_use_of_a_view_whose_replay_only_fake_tensors_accept_is_refused():
+    """Seed 141 program 13580: a flat view of an input, used after two transpose_()s of the input. The
+    stale-view check replays the view's function on the base's new layout; fake tensors accept that
+    `view(12)` (a permuted block, stride (1,)) where real tensors refuse it, so the view passed as
+    unchanged, and the traced autograd graph gave the gradient in transposed order. Replays are now
+    checked on a meta-device tensor too."""
+
+    def f(a):
+        v = a.view((12,))
+        v.clamp_(0, 1)
+        a.transpose_(1, -1)
+        a.transpose_(1, 0)
+        return (v + v,)
+
+    with pytest.raises(UnsupportedMutationError, match="view ops that no longer apply to it"):
+        aot_function(f, nop)(*_as_clone(1, 4, 3)()[1])
+
+
+def test_imag_of_an_intermediate_view_squeezed_in_place_stays_a_view():
+    """Seed 142 program 4252: `.imag` of a view of an intermediate that was squeeze_()d in place was
+    returned as a plain graph output (the view function of a view restrided in place replays the
+    in-place op, which the chain recorder does not take), so its `._base` was None. It is now rebuilt
+    as the intermediate reinterpreted as real numbers, then one as_strided."""
+
+    def f(a):
+        v = (a[1] + 1.5).reshape((1,))
+        v.squeeze_(0)
+        w = v.imag
+        return (w.reshape((-1,)), w)
+
+    compiled = aot_function(f, nop)
+    for _ in range(2):
+        check_against_eager(f, _as_leaf(2, dtype=torch.complex64, requires_grad=False), compiled=compiled)

@@ -238,20 +238,19 @@ def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_st
     view function after in-place metadata ops is only tried for dtype views, which as_strided alone
     cannot express: torch has crashed replaying some)."""
     recorded = _record_chain(out, _probe_like(base, requires_grad=base.requires_grad))
-    if recorded is None or recorded[1].dtype != out.dtype:
-        return None
-    steps = recorded[0]
-    if meta_of(recorded[1]) != meta_of(out):
-        # The replay does not give `out`'s layout (its base, or a view on the way, was restrided in
-        # place). An as_strided after the replay would give the right values but lose gradients for
-        # elements outside the replayed view, so reinterpret the whole base, then as_strided in the new
-        # dtype's coordinates.
-        if base.dtype.to_real() != out.dtype or not base.is_complex() or grad_steps not in (None, 0):
-            return None
+    if recorded is not None and recorded[1].dtype == out.dtype and meta_of(recorded[1]) == meta_of(out):
+        steps = recorded[0]
+    elif base.is_complex() and base.dtype.to_real() == out.dtype and grad_steps in (None, 0):
+        # The replay does not give `out` (its base, or a view on the way, was restrided in place; the
+        # view function of a view restrided in place replays the in-place op). An as_strided after the
+        # replay would give the right values but lose gradients for elements outside the replayed
+        # view: reinterpret the whole base, then as_strided in the real dtype's coordinates.
         steps = (
             ViewStep(torch.ops.aten.view_as_real.default, (), ()),
             ViewStep(torch.ops.aten.as_strided.default, meta_of(out), ()),
         )
+    else:
+        return None
     if grad_steps is None:
         return ViewChain(steps=steps)
     if grad_steps > len(steps):

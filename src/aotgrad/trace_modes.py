@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
 from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
@@ -165,11 +166,12 @@ class Functionalize(FunctionalTensorMode):
             a._aotgrad_layout = self.metadata_ops
             return
         op, on = self.last_metadata_op
+        rebuilt = f"as {replayed}" if replayed is not None else "with view ops that no longer apply to it"
         when = "changed in place by, or taken from a view changed by," if restrided else "taken before"
         raise UnsupportedMutationError(
             f"aotgrad: {func} uses {_describe_tensor(a)} (size/stride/offset {analysis.meta_of(a)}) {when} "
-            f"the in-place {op} on {on}; the traced autograd graph would rebuild that view from its base as "
-            f"{replayed}, where eager keeps its elements. Use the out-of-place op (e.g. t() instead of t_()), "
+            f"the in-place {op} on {on}; the traced autograd graph would rebuild that view from its base "
+            f"{rebuilt}, where eager keeps its elements. Use the out-of-place op (e.g. t() instead of t_()), "
             "or take the view afterwards from a tensor that is not a view."
         )
 
@@ -487,9 +489,27 @@ def _replayed_on(t: FunctionalTensor, root: FunctionalTensor, meta):
         return probe
     try:
         with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
-            return t._view_func_unsafe(probe)
+            replayed = t._view_func_unsafe(probe)
     except (RuntimeError, ValueError, IndexError):
         return None
+    return replayed if _replays_on_meta(t, root, analysis.meta_of(probe)) else None
+
+
+def _replays_on_meta(t: FunctionalTensor, root: FunctionalTensor, meta) -> bool:
+    """Whether `t`'s view function also applies to a real (meta-device) tensor laid out as `meta`: fake
+    tensors accept some views real ones refuse (`view(12)` of a (3, 1, 4) tensor with strides (1, 12, 3)
+    gives stride (1,), where eager raises), and such a replay says nothing about eager's view."""
+    size, stride, offset = meta
+    if not all(isinstance(x, int) for x in (*size, *stride, offset)):
+        return True  # symbolic: only fake tensors can say
+    numel = offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1 if all(size) else offset + 1
+    with unset_fake_temporarily(), analysis.disable_functional_mode(), disable_proxy_modes_tracing():
+        probe = torch.empty(numel, dtype=root.dtype, device="meta").as_strided(size, stride, offset)
+        try:
+            t._view_func_unsafe(probe)
+        except RuntimeError:
+            return False
+    return True
 
 
 def _as_strided_params(self, size, stride, storage_offset=None):
