@@ -9,6 +9,9 @@ of models.py, in one process:
    The first step's gradients are checked against eager.
 2. Steady state: median time of a training step (forward + backward + grads set to None) of the
    already compiled model; samples alternate between the two backends so machine load hits both.
+3. With gpt2, a row for `torch.compile(opt.step)` of the demo's AdamW (tensor learning rate) over
+   GPT-2's parameters with fixed gradients: the same two measurements for the optimizer step, whose
+   cold compile the demo's first step includes. Parameters after one step are checked against eager.
 
 Targets: step time aotgrad/upstream <= 1.0 and cold compile time aotgrad/upstream <= 1.0, per model.
 Prints a table with both ratios (also min-based ratios: noise on a shared machine only adds time)
@@ -216,6 +219,49 @@ def bench_model(name: str, factory: Callable, steps: int, samples: int, compile_
     return ModelResult(name, sides)
 
 
+def _adamw_setup(pristine: nn.Module):
+    """A copy of the model with fixed gradients and the demo's AdamW (tensor learning rate)."""
+    mod = copy.deepcopy(pristine)
+    g = torch.Generator().manual_seed(1)
+    for p in mod.parameters():
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    opt = torch.optim.AdamW(mod.parameters(), lr=torch.tensor(2e-3), weight_decay=0.1, betas=(0.9, 0.95))
+    return mod, opt
+
+
+def bench_optimizer(name: str, factory: Callable, steps: int, samples: int, order: int) -> ModelResult:
+    """`torch.compile(opt.step)` of AdamW over the model's parameters (what the demo compiles besides
+    the model): many in-place updates under no_grad, one inference graph with input mutations."""
+    pristine, _ = factory()
+    ref_mod, ref_opt = _adamw_setup(pristine)
+    ref_opt.step()
+    ref = {n: p.detach().clone() for n, p in ref_mod.named_parameters()}
+    sides: dict[str, Side] = {b: Side() for b in BACKENDS}
+    live = {}
+    for b in (BACKENDS if order % 2 == 0 else BACKENDS[::-1]):
+        side = sides[b]
+        mod, opt = _adamw_setup(pristine)
+        try:
+            with _cold():
+                t0 = time.perf_counter()
+                step = torch.compile(opt.step, backend=b)
+                step()
+                side.compile_s = time.perf_counter() - t0
+            side.mismatch = compare(ref, {n: p.detach() for n, p in mod.named_parameters()}, rtol=1e-4, atol=1e-6)
+            live[b] = step
+        except Exception as e:  # report, keep going
+            side.error = error_text(e)
+    for step in live.values():  # warm-up
+        step()
+    for _ in range(samples):
+        for b, step in live.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sides[b].steps.append((time.perf_counter() - t0) / steps)
+    return ModelResult(name, sides)
+
+
 # ----------------------------------------------------------------------------------------------
 # Report
 
@@ -246,6 +292,7 @@ def report(results: list[ModelResult]) -> tuple[bool, bool]:
     print("   step = forward + backward of a training step, compiled, steady state (median of samples;")
     print("          min-ratio = fastest sample / fastest sample, used for the step-time verdict)")
     print("   compile = cold first training step (Dynamo + AOT + Inductor fw/bw), empty caches")
+    print("   (the AdamW.step row: the compiled optimizer step alone, step and cold compile)")
     print(table(headers, rows, "lrrrrrrrl"))
 
     def verdict(what: str, target: float) -> bool:
@@ -278,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=7, help="timing samples per backend (default 7)")
     p.add_argument("--compile-repeats", type=int, default=1,
                    help="cold compiles per backend and model, alternating order; the minimum is kept (default 1)")
+    p.add_argument("--no-optimizer", dest="optimizer", action="store_false",
+                   help="skip the compiled AdamW.step row (on by default with gpt2)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -294,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"  {name} ...", flush=True)
         results.append(bench_model(name, models[name], args.steps, args.samples, args.compile_repeats, len(results)))
+    if "gpt2" in names and args.optimizer:
+        print("  gpt2 AdamW.step ...", flush=True)
+        results.append(bench_optimizer("gpt2 AdamW.step", models["gpt2"], args.steps, args.samples, len(results)))
     report(results)
     if args.json:
         raw = [
