@@ -68,7 +68,7 @@ from .api import (
 )
 from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
-from .inputs import alias_key
+from .inputs import alias_key, is_wrapper
 from .partition import default_partition
 
 __all__ = [
@@ -261,7 +261,7 @@ class AotgradBackend:
             # The plan mutates inputs (or merged aliased inputs): it holds only while the inputs
             # alias each other as they did at compile time. Dynamo does not guard every overlap,
             # so check it (cheaply) per call and compile per signature when it differs.
-            run = _AliasChecked(run, alias_key(leaves), lambda: _PerShape(fn, self._aot_config(False)))
+            run = _AliasChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)))
         return _no_dynamo(_bind_state(run, state))
 
     def _compile_now(self, fn, leaves: list, *, symbolic: bool) -> Callable:
@@ -365,12 +365,22 @@ def _ignoring_anchors(fn: Callable, n: int) -> Callable:
 class _AliasChecked:
     """Run the shape-generic plan while the inputs alias as at compile time, else per signature."""
 
-    def __init__(self, run: Callable, key: tuple, make_fallback: Callable):
-        self.run, self.key, self.make_fallback = run, key, make_fallback
+    def __init__(self, run: Callable, leaves: list, make_fallback: Callable):
+        self.run, self.key, self.make_fallback = run, alias_key(leaves), make_fallback
         self.fallback = None
+        # No two inputs shared memory at compile time (the common case, e.g. an optimizer step over a
+        # few hundred tensors): then "all storages distinct" is the same check, at a fifth of the cost.
+        self.distinct = None if self.key else [
+            i for i, x in enumerate(leaves)
+            if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
+        ]
 
     def __call__(self, leaves) -> Any:
-        if alias_key(leaves) == self.key:
+        if self.distinct is not None:
+            same = len({leaves[i].untyped_storage()._cdata for i in self.distinct}) == len(self.distinct)
+        else:
+            same = alias_key(leaves) == self.key
+        if same:
             return self.run(leaves)
         if self.fallback is None:
             self.fallback = self.make_fallback()

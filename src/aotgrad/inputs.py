@@ -57,7 +57,7 @@ def alias_key(leaves: Sequence[Any]) -> tuple:
             key.append((i, "same", seen_obj[id(x)]))
             continue
         seen_obj[id(x)] = i
-        if x.layout is not torch.strided or _is_wrapper(x):
+        if x.layout is not torch.strided or is_wrapper(x):
             continue
         s = _storage_key(x)
         if s in seen_storage:
@@ -69,7 +69,7 @@ def alias_key(leaves: Sequence[Any]) -> tuple:
     return tuple(key)
 
 
-def _is_wrapper(t: torch.Tensor) -> bool:
+def is_wrapper(t: torch.Tensor) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(
         t, torch._subclasses.FakeTensor
     )
@@ -86,7 +86,7 @@ def signature(leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
 
 def check_supported(leaves: Sequence[Any]) -> None:
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor) and _is_wrapper(x):
+        if isinstance(x, torch.Tensor) and is_wrapper(x):
             raise UnsupportedInputError(
                 f"aotgrad: input {i} is a tensor subclass ({type(x).__name__}); aotgrad does not trace "
                 "tensor subclasses yet. Pass its inner tensors as separate inputs."
@@ -105,7 +105,7 @@ def storage_groups(leaves: Sequence[Any]) -> list[list[int]]:
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor) and id(x) not in seen_obj:
             seen_obj.add(id(x))
-            if x.layout is torch.strided and not _is_wrapper(x):
+            if x.layout is torch.strided and not is_wrapper(x):
                 groups.setdefault(_storage_key(x), []).append(i)
     return [g for g in groups.values() if len(g) > 1]
 
