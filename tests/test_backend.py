@@ -289,6 +289,24 @@ def test_compiled_adamw_step_mutations_in_graph():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["aotgrad", "aotgrad_eager"])
+def test_input_written_by_the_inference_graph_has_its_version_bumped(backend):
+    # An optimizer-style update kept in the inference graph: Inductor's kernel stores the new value
+    # without touching the version counter, which autograd reads to catch stale saved tensors.
+    def update(p, g):
+        with torch.no_grad():
+            p.add_(g, alpha=-0.1)
+
+    p, g = torch.randn(8), torch.randn(8)
+    ref = p.clone()
+    step = torch.compile(update, backend=backend)
+    before = p._version
+    step(p, g)
+    update(ref, g)
+    assert p._version > before
+    torch.testing.assert_close(p, ref)
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors
 
