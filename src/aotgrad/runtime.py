@@ -96,10 +96,11 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     fw = _Source()
     fw_call = fw.bind("fw", compiled.forward)
     fw.emit(f"outs = {fw_call}(list(primals))")
-    for k in sorted(compiled.written_in_place):
-        # The graph wrote input k itself; a compiled kernel's write does not bump the version counter
-        # as eager's copy_ does. Bump it here, before anything sharing the counter is saved.
-        fw.emit(f"{fw.bind('bump', increment_version)}(primals[{k}])")
+    if compiled.written_in_place:
+        # The graph wrote these inputs itself; a compiled kernel's write does not bump the version
+        # counter as eager's copy_ does. Bump them here, before anything sharing a counter is saved.
+        bumped = _tuple_src([f"primals[{k}]" for k in sorted(compiled.written_in_place)])
+        fw.emit(f"{fw.bind('bump', increment_version)}({bumped})")
     if n_t:
         fw.emit(f"ctx.save_for_backward(*outs[{n_out}:{n_out + n_t}])")
     if n_o:
@@ -182,14 +183,25 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
 
 
 def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int]) -> None:
+    bumps: list[str] = []  # consecutive version bumps go out as one call (an optimizer has hundreds)
+
+    def flush_bumps():
+        if bumps:
+            src.emit(f"{src.bind('bump', increment_version)}({_tuple_src(bumps)})")
+            bumps.clear()
+
     for a in plan.epilogue:
         if isinstance(a, CopyInto) and a.primal in written_in_place:
             # The compiled graph wrote the input itself (reinplace.py, compile._write_back_in_graph);
             # a compiled kernel's write does not bump the version counter as eager's copy_ does (the
             # training path bumps it inside the autograd.Function).
             if not plan.is_training:
-                src.emit(f"{src.bind('bump', increment_version)}(p{a.primal})")
+                bumps.append(f"p{a.primal}")
             continue
+        if isinstance(a, BumpVersion):
+            bumps.append(f"p{a.primal}")
+            continue
+        flush_bumps()
         if isinstance(a, (Restride, RestrideLeaf)):
             target = f"p{a.primal}" if isinstance(a, Restride) else f"l{a.leaf}"
             if not a.no_grad:  # refresh a view's grad_fn after the copy_ into its base, as eager's reads did
@@ -203,8 +215,7 @@ def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int]) -
             _emit(src, f"p{a.primal}.set_(p{a.other})", True)
         elif isinstance(a, Detach):
             src.emit(f"p{a.primal}.detach_()")
-        elif isinstance(a, BumpVersion):
-            src.emit(f"{src.bind('bump', increment_version)}(p{a.primal})")
+    flush_bumps()
 
 
 def _emit(src: _Source, line: str, no_grad: bool) -> None:
