@@ -17,9 +17,12 @@ Losses "track" when aotgrad's loss is within --tolerance (1e-3) of eager's at ea
 --early-steps (50) steps and its mean over the last 10% of steps is within --final-tolerance (5%) of
 eager's: compiled kernels reassociate float32 sums, and training amplifies those last-bit differences
 over hundreds of steps (upstream Inductor drifts the same way; its numbers are printed for scale).
-Compile times are measured after an untimed warm-up compile per backend (one-time process costs);
-Each compiled variant starts from an empty Inductor cache (a fresh cache directory, caches off), so
-the second variant does not reuse kernels the first compiled; --warm-caches keeps them.
+Each variant runs in a fresh Python process (`--same-process` to run them in this one): a compile
+in a process that has already compiled another model measured up to 25% slower or faster than the
+same compile in a fresh one, depending on which variant went first. Compile times are measured after
+an untimed warm-up compile (one-time process costs); each compiled variant starts from an empty
+Inductor cache (a fresh cache directory, caches off), so no variant reuses kernels another compiled;
+--warm-caches keeps them.
 
 Saved activation bytes are counted the same way for all three: `saved_tensors_hooks` during one
 forward, counting each distinct storage once and leaving out parameters and the input batch (eager:
@@ -31,13 +34,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -324,6 +330,10 @@ def parser(description: str, *, steps: int, batch: int, seq: int, lr: float) -> 
                    help="keep Inductor's caches between variants (default: each compiled variant starts "
                         "from an empty cache, so neither reuses kernels the other compiled)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curves (needs matplotlib)")
+    p.add_argument("--same-process", dest="isolate", action="store_false",
+                   help="run all variants in this process (default: each in a fresh one, so compile "
+                        "times do not depend on which variant went first)")
+    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # set for a variant's own process
     return p
 
 
@@ -340,6 +350,28 @@ def warm_up(backends: list[str]) -> None:
         w = torch.randn(4, 4, requires_grad=True)
         torch.compile(tiny, backend=_backend_for(b))(torch.randn(2, 4), w).backward()
     torch._dynamo.reset()
+
+
+def _child_args(args) -> list[str]:
+    out = [f"--steps={args.steps}", f"--batch-size={args.batch_size}", f"--seq-len={args.seq_len}",
+           f"--lr={args.lr}", f"--warmup={args.warmup}", f"--seed={args.seed}"]
+    out += [] if args.compile_optimizer else ["--no-compile-optimizer"]
+    return out + ([] if args.cold else ["--warm-caches"])
+
+
+def _run_in_own_process(variant: str, args) -> RunResult:
+    """Run this script again for one variant (same arguments, so the same seed, weights and
+    batches) and read its result back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, sys.modules["__main__"].__file__, *_child_args(args), "--variants", variant,
+               "--result-json", path]
+        done = subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr)
+        if done.returncode != 0 or not os.path.exists(path):
+            print(f"\n{variant}: FAILED: its process exited with code {done.returncode}")
+            return RunResult(variant, error=f"process exited with code {done.returncode}")
+        with open(path) as fh:
+            return RunResult(**json.load(fh)[variant])
 
 
 def _cache_for(cold: bool):
@@ -366,25 +398,33 @@ def main_with(args, title: str, make_model: Callable[[], nn.Module], logits_of: 
     torch.manual_seed(args.seed)
     pristine = make_model()
     n_params = sum(p.numel() for p in pristine.parameters())
-    print(f"{title}: {n_params / 1e6:.2f}M parameters; {len(tokens)} bytes of text; {args.steps} steps of "
-          f"{args.batch_size}x{args.seq_len} tokens; AdamW lr {args.lr} ({args.warmup} warm-up steps); "
-          f"torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    if args.result_json is None:  # a variant's own process leaves the header to its parent
+        print(f"{title}: {n_params / 1e6:.2f}M parameters; {len(tokens)} bytes of text; {args.steps} steps of "
+              f"{args.batch_size}x{args.seq_len} tokens; AdamW lr {args.lr} ({args.warmup} warm-up steps); "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+              + ("; each variant in its own process" if args.isolate else ""))
 
     def fresh():
         return copy.deepcopy(pristine)
 
-    warm_up([v for v in variants if v != "eager"])
-    results: dict[str, RunResult] = {}
-    for v in variants:
-        torch._dynamo.reset()
-        try:
-            with _cache_for(args.cold):
-                results[v] = train(v, fresh, logits_of, batches, lr=args.lr,
-                                   compile_optimizer=args.compile_optimizer, warmup=args.warmup)
-        except Exception as e:  # report and go on with the other variants
-            print(f"\n{v}: FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            results[v] = RunResult(v, error=f"{type(e).__name__}: {e}")
+    if args.isolate and args.result_json is None:
+        results = {v: _run_in_own_process(v, args) for v in variants}
+    else:
+        warm_up([v for v in variants if v != "eager"])
+        results = {}
+        for v in variants:
+            torch._dynamo.reset()
+            try:
+                with _cache_for(args.cold):
+                    results[v] = train(v, fresh, logits_of, batches, lr=args.lr,
+                                       compile_optimizer=args.compile_optimizer, warmup=args.warmup)
+            except Exception as e:  # report and go on with the other variants
+                print(f"\n{v}: FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                results[v] = RunResult(v, error=f"{type(e).__name__}: {e}")
+        if args.result_json is not None:  # a variant's own process: hand the result back, no report
+            with open(args.result_json, "w") as fh:
+                json.dump({v: asdict(r) for v, r in results.items()}, fh)
+            return 0
     ok = report(results, args.tolerance, args.final_tolerance, args.early_steps)
     if args.plot:
         plot(results, args.plot, title)
