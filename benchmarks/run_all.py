@@ -3,10 +3,14 @@
 1. Cold AOT compile time (nop compiler) on four models; target ratio aotgrad/upstream <= 0.5.
 2. Per-call run-time overhead over eager on 1-element inputs; target
    (aotgrad - eager) / (upstream - eager) <= 0.5.
+3. Partitioners: saved bytes of min-cut and the memory-budget sweep (partition_bench.py).
+4. torch.compile: aotgrad+Inductor vs upstream Inductor, steady-state step and cold compile in one
+   process (backend_bench.py), then cold compiles each in a fresh process (cold_compile_bench.py).
 
 Options: --repeats N (cold compiles per model and implementation, median; default 9),
 --number N and --overhead-repeats N (timeit calls per sample and samples; default 3000 and 7),
---only NAME[,NAME] (compile-time models), --skip-compile, --skip-overhead, --json PATH.
+--only NAME[,NAME] (compile-time models), --skip-compile, --skip-overhead, --skip-partition,
+--skip-backend, --skip-fresh-compile, --json PATH.
 """
 
 from __future__ import annotations
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-partition", action="store_true")
     p.add_argument("--skip-backend", action="store_true", help="skip torch.compile+Inductor (4-5 min)")
+    p.add_argument("--skip-fresh-compile", action="store_true",
+                   help="skip cold torch.compile times measured in fresh processes (~5 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -163,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         import backend_bench
 
         backend_bench.main(["--compile-repeats", "2"])
+    if not args.skip_fresh_compile:
+        import cold_compile_bench
+
+        cold_compile_bench.main(["--repeats", "2"])
 
     print()
     print("== Summary ==")
