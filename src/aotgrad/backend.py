@@ -68,7 +68,7 @@ from .api import (
 )
 from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
-from .inputs import alias_key, is_wrapper
+from .inputs import alias_key, is_wrapper, storage_id
 from .partition import default_partition
 
 __all__ = [
@@ -377,7 +377,7 @@ class _AliasChecked:
 
     def __call__(self, leaves) -> Any:
         if self.distinct is not None:
-            same = len({leaves[i].untyped_storage()._cdata for i in self.distinct}) == len(self.distinct)
+            same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
         else:
             same = alias_key(leaves) == self.key
         if same:
