@@ -185,6 +185,9 @@ def warm_up_process() -> None:
         with _cold():
             mod = Tiny()
             torch.compile(mod, backend=b)(torch.randn(2, 4)).backward()
+    from trainer import wait_for_compile_workers
+
+    wait_for_compile_workers()
 
 
 def bench_model(name: str, factory: Callable, steps: int, samples: int, compile_repeats: int, order: int) -> ModelResult:

@@ -19,10 +19,12 @@ eager's: compiled kernels reassociate float32 sums, and training amplifies those
 over hundreds of steps (upstream Inductor drifts the same way; its numbers are printed for scale).
 Each variant runs in a fresh Python process (`--same-process` to run them in this one): a compile
 in a process that has already compiled another model measured up to 25% slower or faster than the
-same compile in a fresh one, depending on which variant went first. Compile times are measured after
-an untimed warm-up compile (one-time process costs); each compiled variant starts from an empty
-Inductor cache (a fresh cache directory, caches off), so no variant reuses kernels another compiled;
---warm-caches keeps them.
+same compile in a fresh one, depending on which variant went first. The processes take turns, one
+step each (the others wait on a pipe, idle), so a machine that speeds up or slows down over the run
+hits every variant alike; run one after the other, variants minutes apart measured step-time ratios
+8% off the interleaved ones. Compile times are measured after an untimed warm-up compile (one-time
+process costs); each compiled variant starts from an empty Inductor cache (a fresh cache directory,
+caches off), so no variant reuses kernels another compiled; --warm-caches keeps them.
 
 Saved activation bytes are counted the same way for all three: `saved_tensors_hooks` during one
 forward, counting each distinct storage once and leaving out parameters and the input batch (eager:
@@ -44,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -87,12 +90,11 @@ class ProgressBar:
         self.tty = stream.isatty()
         self.last_pct = -1
 
-    def update(self, step: int, loss: float, step_s: float) -> None:
+    def update(self, step: int, detail: str) -> None:
         done = step + 1
         filled = int(self.width * done / self.total)
         bar = "#" * filled + "." * (self.width - filled)
-        line = (f"{self.label:>9} [{bar}] step {done:>4}/{self.total}  loss {loss:7.4f}  "
-                f"step {step_s * 1e3:8.1f} ms")
+        line = f"{self.label:>9} [{bar}] step {done:>4}/{self.total}  {detail}"
         if self.tty:
             self.stream.write("\r" + line)
             if done == self.total:
@@ -162,6 +164,32 @@ def count_saved_bytes(loss_fn: Callable, x, y, exclude: list[torch.Tensor]) -> i
     return sum(seen.values())
 
 
+def step_detail(loss: float, step_s: float) -> str:
+    return f"loss {loss:7.4f}  step {step_s * 1e3:8.1f} ms"
+
+
+class Turns:
+    """A variant's side of the rotation (see `run_in_turns`): say "ready" once set up; before each
+    step, and before the work after the last one, wait for the parent's go byte; after each step,
+    send back the loss and the step time."""
+
+    def __init__(self, fds: str):
+        go, done = (int(x) for x in fds.split(","))
+        self.go = os.fdopen(go, "rb", buffering=0)
+        self.done = os.fdopen(done, "w", buffering=1)
+        self.ready = False
+
+    def wait(self) -> None:
+        if not self.ready:
+            self.done.write("ready\n")
+            self.ready = True
+        if not self.go.read(1):
+            raise SystemExit("trainer: the parent process went away")
+
+    def report(self, loss: float, step_s: float) -> None:
+        self.done.write(f"{loss!r} {step_s!r}\n")
+
+
 def train(
     name: str,
     make_model: Callable[[], nn.Module],
@@ -171,7 +199,7 @@ def train(
     lr: float,
     compile_optimizer: bool,
     warmup: int = 0,
-    on_step: Callable | None = None,
+    turns: Turns | None = None,
 ) -> RunResult:
     torch.manual_seed(0)
     model = make_model()
@@ -189,8 +217,10 @@ def train(
         opt_step = torch.compile(opt.step, backend=backend) if compile_optimizer else opt.step
 
     result = RunResult(name)
-    bar = ProgressBar(len(batches), name)
+    bar = ProgressBar(len(batches), name) if turns is None else None  # in turns, the parent draws it
     for i, (x, y) in enumerate(batches):
+        if turns is not None:
+            turns.wait()
         t0 = time.perf_counter()
         lr_t.fill_(lr * min(1.0, (i + 1) / warmup) if warmup > 0 else lr)
         loss = loss_fn(x, y)
@@ -201,9 +231,12 @@ def train(
         value = loss.item()
         result.losses.append(value)
         result.step_times.append(dt)
-        bar.update(i, value, dt)
-        if on_step is not None:
-            on_step(i, value)
+        if turns is not None:
+            turns.report(value, dt)
+        else:
+            bar.update(i, step_detail(value, dt))
+    if turns is not None:  # the counting below runs alone too
+        turns.wait()
     x, y = batches[0]
     params = list(model.parameters()) + list(model.buffers())
     result.saved_bytes = count_saved_bytes(loss_fn, x, y, params + [x, y])
@@ -331,9 +364,11 @@ def parser(description: str, *, steps: int, batch: int, seq: int, lr: float) -> 
                         "from an empty cache, so neither reuses kernels the other compiled)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curves (needs matplotlib)")
     p.add_argument("--same-process", dest="isolate", action="store_false",
-                   help="run all variants in this process (default: each in a fresh one, so compile "
-                        "times do not depend on which variant went first)")
+                   help="run all variants in this process, one after the other (default: each in a fresh "
+                        "one, so compile times do not depend on which variant went first, taking turns "
+                        "step by step)")
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # set for a variant's own process
+    p.add_argument("--turn-fds", default=None, help=argparse.SUPPRESS)  # its pipes to the parent, "go,done"
     return p
 
 
@@ -350,6 +385,17 @@ def warm_up(backends: list[str]) -> None:
         w = torch.randn(4, 4, requires_grad=True)
         torch.compile(tiny, backend=_backend_for(b))(torch.randn(2, 4), w).backward()
     torch._dynamo.reset()
+    if backends:
+        wait_for_compile_workers()
+
+
+def wait_for_compile_workers() -> None:
+    """Inductor starts its pool of compile worker processes in the background on the first compile;
+    each imports torch, seconds of CPU. Wait for them: a compile timed while they start (this
+    process's or, with the variants taking turns, another's) pays for it."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.wait_pool_ready()
 
 
 def _child_args(args) -> list[str]:
@@ -359,19 +405,78 @@ def _child_args(args) -> list[str]:
     return out + ([] if args.cold else ["--warm-caches"])
 
 
-def _run_in_own_process(variant: str, args) -> RunResult:
-    """Run this script again for one variant (same arguments, so the same seed, weights and
-    batches) and read its result back."""
+@dataclass
+class _Child:
+    """The parent's handle on one variant's process."""
+
+    variant: str
+    proc: subprocess.Popen
+    go: Any  # write one byte: take a step
+    done: Any  # one line back per step: "loss step_s"
+    result_path: str
+    last: str = "waiting"
+
+
+def _start_child(variant: str, args, tmp: str) -> _Child:
+    """Run this script again for one variant (same arguments, so the same seed, weights and batches),
+    stepping only when told to."""
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    path = os.path.join(tmp, f"{variant}.json")
+    cmd = [sys.executable, sys.modules["__main__"].__file__, *_child_args(args), "--variants", variant,
+           "--result-json", path, "--turn-fds", f"{go_r},{done_w}"]
+    proc = subprocess.Popen(cmd, pass_fds=(go_r, done_w), stdout=sys.stdout, stderr=sys.stderr)
+    os.close(go_r)
+    os.close(done_w)
+    return _Child(variant, proc, os.fdopen(go_w, "wb", buffering=0), os.fdopen(done_r, "r"), path)
+
+
+def _go(child: _Child) -> bool:
+    try:
+        child.go.write(b"g")
+        return True
+    except OSError:  # the process is gone
+        return False
+
+
+def _take_step(child: _Child) -> bool:
+    """One step of one variant; False once its process has stopped stepping (finished or failed)."""
+    if not _go(child):
+        return False
+    line = child.done.readline()
+    if not line:
+        return False
+    loss, step_s = (float(x) for x in line.split())
+    child.last = f"{child.variant} loss {loss:.4f} {step_s * 1e3:5.0f} ms"
+    return True
+
+
+def run_in_turns(variants: list[str], args) -> dict[str, RunResult]:
+    """Each variant in its own fresh process; the processes take turns, one training step each, so
+    all of them see the same machine (its speed drifts over minutes) and only one runs at a time."""
+    results: dict[str, RunResult] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, sys.modules["__main__"].__file__, *_child_args(args), "--variants", variant,
-               "--result-json", path]
-        done = subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr)
-        if done.returncode != 0 or not os.path.exists(path):
-            print(f"\n{variant}: FAILED: its process exited with code {done.returncode}")
-            return RunResult(variant, error=f"process exited with code {done.returncode}")
-        with open(path) as fh:
-            return RunResult(**json.load(fh)[variant])
+        children = [_start_child(v, args, tmp) for v in variants]
+        # All set up (imports, warm-up compile) before the first step: no start-up runs beside one.
+        live = [c for c in children if c.done.readline().strip() == "ready"]
+        bar = ProgressBar(args.steps, "step")
+        for i in range(args.steps):
+            live = [c for c in live if _take_step(c)]
+            if not live:
+                break
+            bar.update(i, " | ".join(c.last for c in children))
+        for c in children:  # one at a time: the work after the last step, then exit
+            _go(c)
+            c.go.close()
+            code = c.proc.wait()
+            c.done.close()
+            if code != 0 or not os.path.exists(c.result_path):
+                print(f"\n{c.variant}: FAILED: its process exited with code {code}")
+                results[c.variant] = RunResult(c.variant, error=f"process exited with code {code}")
+                continue
+            with open(c.result_path) as fh:
+                results[c.variant] = RunResult(**json.load(fh)[c.variant])
+    return results
 
 
 def _cache_for(cold: bool):
@@ -402,22 +507,24 @@ def main_with(args, title: str, make_model: Callable[[], nn.Module], logits_of: 
         print(f"{title}: {n_params / 1e6:.2f}M parameters; {len(tokens)} bytes of text; {args.steps} steps of "
               f"{args.batch_size}x{args.seq_len} tokens; AdamW lr {args.lr} ({args.warmup} warm-up steps); "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-              + ("; each variant in its own process" if args.isolate else ""))
+              + ("; each variant in its own process, the processes taking turns step by step"
+                 if args.isolate else ""))
 
     def fresh():
         return copy.deepcopy(pristine)
 
     if args.isolate and args.result_json is None:
-        results = {v: _run_in_own_process(v, args) for v in variants}
+        results = run_in_turns(variants, args)
     else:
         warm_up([v for v in variants if v != "eager"])
+        turns = Turns(args.turn_fds) if args.turn_fds else None
         results = {}
         for v in variants:
             torch._dynamo.reset()
             try:
                 with _cache_for(args.cold):
-                    results[v] = train(v, fresh, logits_of, batches, lr=args.lr,
-                                       compile_optimizer=args.compile_optimizer, warmup=args.warmup)
+                    results[v] = train(v, fresh, logits_of, batches, lr=args.lr, warmup=args.warmup,
+                                       compile_optimizer=args.compile_optimizer, turns=turns)
             except Exception as e:  # report and go on with the other variants
                 print(f"\n{v}: FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 results[v] = RunResult(v, error=f"{type(e).__name__}: {e}")
