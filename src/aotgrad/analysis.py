@@ -160,7 +160,10 @@ def _probe_like(t: torch.Tensor, requires_grad: bool, meta=None) -> torch.Tensor
 
 
 def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[ViewStep, ...], torch.Tensor] | None:
-    """Replay `out`'s autograd view function on `base_probe`, returning the ops and the result."""
+    """Replay `out`'s autograd view function on `base_probe`, returning the ops and the result (None
+    where it does not apply: view ops recorded for a base of another rank have crashed torch)."""
+    if getattr(out, "_aotgrad_base_dim", base_probe.dim()) != base_probe.dim():  # set by trace_modes
+        return None
     recorder = _ViewRecorder(base_probe)
     try:
         with disable_functional_mode(), disable_proxy_modes_tracing(), recorder:

@@ -101,6 +101,7 @@ class _Forward:
     prologue: list = field(default_factory=list)
     relayout: set = field(default_factory=set)  # primals whose functional value changed layout
     restrided: set = field(default_factory=set)  # synthetic bases with a member's metadata mutated
+    memory_detached: set = field(default_factory=set)  # primals sharing memory with one detach_()ed
 
 
 def make_fake_mode(leaves: Sequence[Any]) -> FakeTensorMode:
@@ -267,6 +268,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     fw = _Forward(out_spec=out_spec)
     _check_storage_groups(storage_groups, user_leaves, {id(b): n for b, (_, n) in zip(bases, before)})
     _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, training, keep_in_graph)
+    fw.memory_detached = _sharing_memory_with_detached(fw, layout, storage_groups)
     with mode:  # members of a mutated synthetic base regenerate lazily
         _analyse_leaf_views(fw, layout, user_leaves, leaf_grad_fns, shifts)
     _bump_versions(fw, bases, versions)
@@ -391,6 +393,17 @@ def _check_storage_groups(groups, user_leaves, counts_before: dict[int, int]) ->
     mutated = [list(g) for g in groups if any(_leaf_mutated(user_leaves[i], counts_before) for i in g)]
     if mutated:
         raise NeedsSyntheticBase(mutated)
+
+
+def _sharing_memory_with_detached(fw, layout, groups) -> set[int]:
+    """Primals traced apart from an input in their memory that the program detach_()es."""
+    detached = {a.primal for a in fw.epilogue if isinstance(a, Detach)}
+    out: set[int] = set()
+    for g in groups:
+        members = {layout.leaf_primal[i] for i in g} - {None}
+        if members & detached:
+            out |= members - detached
+    return out
 
 
 def _leaf_mutated(t, counts_before: dict[int, int]) -> bool:
@@ -636,14 +649,17 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
         return None if o._base is not None else ("plain", o)
     m = fw.mutations[k]
     # A view kept its autograd history through a later detach_() in eager (the trace knows whether it
-    # requires grad); rebuilt from the detached tensor it would lose it.
+    # requires grad); rebuilt from the detached tensor it would lose it. So would one rebuilt from
+    # another input in the same memory: a version bump makes autograd rebuild that input's history
+    # from the detached tensor.
     detached_in_place = any(isinstance(a, Detach) and a.primal == k for a in fw.epilogue) or (
-        o.requires_grad and any(getattr(t, "_aotgrad_detached", False) for t in (bases[k], o, o._base))
+        o.requires_grad and (k in fw.memory_detached or any(
+            getattr(t, "_aotgrad_detached", False) for t in (bases[k], o, o._base)))
     )
     if detached_in_place:
         raise UnsupportedAliasingError(
-            f"aotgrad: {name} aliases {_primal_name(layout, k)}, which (or a .detach() of which) the program "
-            "detach_()es; "
+            f"aotgrad: {name} aliases {_primal_name(layout, k)}, which (or a .detach() of it, or an input "
+            "sharing its memory) the program detach_()es; "
             "aotgrad cannot tell views taken before the detach from views taken after. Return a .clone()."
         )
     value = getattr(bases[k], "_aotgrad_input_value", None)

@@ -256,7 +256,10 @@ def _note_views(func, src: torch.Tensor, out) -> None:
     caller_meta = getattr(src, "_aotgrad_caller_meta", None)
     overlapping_input = caller_meta is not None and overlaps_itself(*caller_meta[:2])
     for t in outs:
-        t._aotgrad_base_dim = (t._base if t._base is not None else src).dim()
+        # The rank of the root base when the first of the view ops autograd records for `t` was taken
+        # (its view function replays them all from the root).
+        inherited = getattr(src, "_aotgrad_base_dim", None) if src._base is not None else None
+        t._aotgrad_base_dim = inherited if inherited is not None else (t._base if t._base is not None else src).dim()
         made_overlapping = func is torch.ops.aten.as_strided.default and overlaps_itself(t.shape, t.stride())
         if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
             t._aotgrad_in_overlapping = True
