@@ -1193,3 +1193,28 @@ def test_view_of_an_input_whose_memory_another_input_detaches_in_place_is_refuse
     compiled = aot_function(f, nop)
     for _ in range(2):
         check_against_eager(f, no_grad_inputs, compiled=compiled)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("op", ["contiguous", "reshape"])
+def test_contiguous_or_reshape_of_a_view_taken_after_a_data_mutation_of_a_non_dense_input_as_in_eager(op, requires_grad):
+    """Seed 171 program 32239: input 0 is `x[:, :1]` (strides (2, 1)); the program fill_()s it, then
+    returns `a.unsqueeze(2).contiguous()`. Functionalization's value of the mutated input is a fresh
+    dense tensor, so the view taken afterwards was contiguous in the trace and contiguous() returned it:
+    the output came back as a view of the input (and a later in-place op on it wrote into the input),
+    where eager's is a copy. contiguous() and reshape() (here of `x[:, :2]`, which eager cannot flatten
+    as a view) now decide on the input's own layout."""
+
+    def f(a):
+        a.mul_(1.5)
+        v = a.unsqueeze(2)
+        return (a.narrow(0, 0, 1), v.contiguous() if op == "contiguous" else v.reshape(-1))
+
+    def make_inputs():
+        r = _leaf(3, 4, requires_grad=requires_grad)
+        x = r.clone() if requires_grad else r
+        return (r,), (x[:, :1] if op == "contiguous" else x[:, :2],)
+
+    compiled = aot_function(f, nop)
+    for _ in range(2):
+        check_against_eager(f, make_inputs, compiled=compiled)

@@ -437,14 +437,12 @@ def _alias_root(t: torch.Tensor) -> torch.Tensor:
 def _contiguous_as_on_caller_layout(t: FunctionalTensor, memory_format=torch.contiguous_format):
     """`t.contiguous()` as eager decides it. An input that overlaps itself (an expand()) and requires
     grad is traced as a dense clone, so a view of it may be contiguous in the trace and not on the
-    caller's tensor (eager copies), or the other way round (eager returns `t` itself)."""
+    caller's tensor (eager copies), or the other way round (eager returns `t` itself). So is a view
+    taken after a data mutation of a non-dense input (see `_layout_as_on_caller`)."""
     root = t if t._base is None else t._base
-    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
-    if caller_meta is None or getattr(root, "_aotgrad_primal", (None, 0))[1] is not None:
-        return t.contiguous(memory_format=memory_format)  # traced with the caller's layout
-    eager_view = _replayed_on(t, root, caller_meta)
+    eager_view = _layout_as_on_caller(t, root, "contiguous()")
     if eager_view is None:
-        return t.contiguous(memory_format=memory_format)
+        return t.contiguous(memory_format=memory_format)  # traced with the caller's layout
     if eager_view.is_contiguous(memory_format=memory_format):
         return t
     return t.clone(memory_format=memory_format)
@@ -454,11 +452,8 @@ def _reshape_as_on_caller_layout(func, t: FunctionalTensor, *shape, **kwargs):
     """`t.reshape(shape)` as eager decides it (a view, or a copy), for the same reason as
     `_contiguous_as_on_caller_layout`."""
     root = t if t._base is None else t._base
-    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
     shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else (shape or kwargs.get("shape"))
-    eager_view = None
-    if caller_meta is not None and getattr(root, "_aotgrad_primal", (None, 0))[1] is None:
-        eager_view = _replayed_on(t, root, caller_meta)
+    eager_view = _layout_as_on_caller(t, root, "reshape()")
     if eager_view is None:
         return t.reshape(shape)
     if _can_view(eager_view, shape):
@@ -469,6 +464,28 @@ def _reshape_as_on_caller_layout(func, t: FunctionalTensor, *shape, **kwargs):
             )
         return t.view(shape)
     return torch.ops.aten._unsafe_view(t.clone(memory_format=torch.contiguous_format), shape)
+
+
+def _layout_as_on_caller(t: FunctionalTensor, root: FunctionalTensor, what: str):
+    """A stand-in for `t` laid out as eager lays it out, where the trace lays it out otherwise (None
+    where they agree). An input overlapping itself that requires grad is traced as a dense copy; and a
+    data mutation of a non-dense input gives its functional value a fresh dense layout, which views
+    taken afterwards inherit while the input's own metadata (and eager's views) keep the caller's."""
+    caller_meta = getattr(root, "_aotgrad_caller_meta", None)
+    if caller_meta is None:
+        return None  # an intermediate: laid out as in eager
+    if getattr(root, "_aotgrad_primal", (None, 0))[1] is None:
+        return _replayed_on(t, root, caller_meta)
+    if t is root or analysis.meta_of(root)[1] == analysis.meta_of(analysis.unwrap(root))[1]:
+        return None
+    eager_view = _replayed_on(t, root, analysis.meta_of(root))
+    if eager_view is None:
+        raise UnsupportedAliasingError(
+            f"aotgrad: {what} of a view of {_describe_tensor(root)} after a data mutation of it: that input is "
+            "not contiguous, its mutated functional value is laid out afresh, and aotgrad cannot tell how "
+            "eager lays the view out. Pass a .contiguous() input, or take the view from a .clone()."
+        )
+    return eager_view
 
 
 def _can_view(t: torch.Tensor, shape) -> bool:
