@@ -1218,3 +1218,62 @@ def test_contiguous_or_reshape_of_a_view_taken_after_a_data_mutation_of_a_non_de
     compiled = aot_function(f, nop)
     for _ in range(2):
         check_against_eager(f, make_inputs, compiled=compiled)
+
+
+def test_use_with_grad_of_an_input_view_restrided_in_place_then_written_under_no_grad_is_refused():
+    """Seed 181 program 12204: input 0 is a view of input 1 (both require grad); the program takes
+    `-a0`, `a0.transpose_(2, 1)`, then `a0.add_(2)` under no_grad, and returns `-a0 + a0`'s broadcast.
+    The write makes autograd rebuild a0's history from its view function, which predates the
+    transpose_ (the broadcast gradient was summed over the wrong dimension: zero gradients against
+    eager's). Refused; without the write the same program matches."""
+
+    def f(a0, a1, write=True):
+        v0 = a0.neg()
+        a0.transpose_(2, 1)
+        if write:
+            with torch.no_grad():
+                a0.add_(2)
+        return (v0 + a0,)
+
+    def make_inputs():
+        r = _leaf(1, 2, 1)
+        c = r.clone()
+        return (r,), (c.view_as(c), c)
+
+    with pytest.raises(UnsupportedMutationError, match="changed in place by"):
+        aot_function(f, nop)(*make_inputs()[1])
+
+    def no_write(a0, a1):
+        return f(a0, a1, write=False)
+
+    compiled = aot_function(no_write, nop)
+    for _ in range(2):
+        check_against_eager(no_write, make_inputs, compiled=compiled)
+
+
+def test_write_with_grad_through_an_absolute_as_strided_view_of_an_input_at_an_offset_is_refused():
+    """Seed 181 program 16031: input 0 is `r[-1:]` (storage offset 8) and does not require grad; the
+    program writes `a0.as_strided(size, stride, 9).mul_(a1)` with `a1` requiring grad. Autograd's record
+    of that write replays the as_strided view in the backward on a fresh copy of the input at offset 0,
+    where offset 9 is out of bounds (a crash here; other elements, silently, with a larger input).
+    Refused; the same write under no_grad matches."""
+
+    def f(a0, a1, grad=True):
+        with torch.set_grad_enabled(grad):
+            a0.as_strided((1, 2, 1), (1, 1, 1), 9).mul_(a1)
+        return (a0.detach().abs().squeeze(0),)
+
+    def make_inputs():
+        r0 = _leaf(3, 2, 2, requires_grad=False)
+        r1 = _leaf(2, 1, seed=1)
+        return (r0, r1), (r0[-1:], r1)
+
+    with pytest.raises(UnsupportedAliasingError, match="storage offset 8"):
+        aot_function(f, nop)(*make_inputs()[1])
+
+    def no_grad_write(a0, a1):
+        return f(a0, a1, grad=False)
+
+    compiled = aot_function(no_grad_write, nop)
+    for _ in range(2):
+        check_against_eager(no_grad_write, make_inputs, compiled=compiled)

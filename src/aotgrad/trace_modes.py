@@ -73,12 +73,14 @@ class Functionalize(FunctionalTensorMode):
             for a in _written_args(func, args):
                 _check_writable(func, a)
                 self._check_not_restrided(func, a, args)
+                _check_not_absolute_with_grad(func, a, args)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if is_metadata_op:
             _remember_layout(args[0], self.metadata_ops)
             if args[0]._is_view():
                 # autograd's view function of this view (and of views taken from it) no longer describes it
                 args[0]._aotgrad_restrided_view = (func, _describe_tensor(args[0]))  # truthy: which op
+                args[0]._aotgrad_restrided_at = args[0]._version  # autograd bumps it once after this op
         if is_view_op:
             _note_views(func, args[0], out)
             epoch = getattr(args[0], "_aotgrad_layout", self.metadata_ops)
@@ -150,11 +152,13 @@ class Functionalize(FunctionalTensorMode):
         before an in-place metadata op on a tensor sharing its memory, if autograd (which replays view
         functions during the trace) would now rebuild it on its base with another size/stride/offset:
         eager uses the view's own geometry. A write through a view whose own layout was changed in
-        place (or a view of one) is checked too: autograd's view function of it predates that change."""
+        place (or a view of one) is checked too: autograd's view function of it predates that change.
+        So is any use of one after a write to its memory: autograd then rebuilds its history with that
+        view function."""
         if getattr(a, "_aotgrad_caller_storage_read", False):
             return  # a view of the graph input itself, which no in-place op touches (refused above)
         remembered = getattr(a, "_aotgrad_layout", None)
-        restrided = written and getattr(a, "_aotgrad_restrided_view", False)
+        restrided = getattr(a, "_aotgrad_restrided_view", False) and (written or _written_since_restrided(a))
         if remembered is None or (remembered == self.metadata_ops and not restrided) or not a._is_view():
             return
         if restrided and not _requires_grad(a):
@@ -177,6 +181,12 @@ class Functionalize(FunctionalTensorMode):
 
 
 _STORAGE_OPS = (torch.ops.aten.set_, torch.ops.aten.resize_, torch.ops.aten.resize_as_)
+
+
+def _written_since_restrided(view: FunctionalTensor) -> bool:
+    """Whether the memory of a view restrided in place was written since (its version counter moved
+    past the one bump of the in-place metadata op), so that autograd rebuilds its history."""
+    return view._version > view._aotgrad_restrided_at + 1
 
 
 def _requires_grad(view: torch.Tensor) -> bool:
@@ -265,10 +275,13 @@ def _note_views(func, src: torch.Tensor, out) -> None:
             t._aotgrad_in_overlapping = True
         if getattr(src, "_aotgrad_restrided_view", False):
             t._aotgrad_restrided_view = src._aotgrad_restrided_view
+            t._aotgrad_restrided_at = src._aotgrad_restrided_at
         if getattr(src, "_aotgrad_caller_storage_read", False):
             t._aotgrad_caller_storage_read = True
         if hasattr(src, "_aotgrad_member_leaf"):
             t._aotgrad_member_leaf = src._aotgrad_member_leaf
+        if hasattr(src, "_aotgrad_absolute_view_of"):
+            t._aotgrad_absolute_view_of = src._aotgrad_absolute_view_of
 
 
 def _check_custom_op(func, schema) -> None:
@@ -328,10 +341,15 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             # (without it autograd takes the view for a leaf and refuses in-place ops on it).
             args[0].grad_fn  # noqa: B018
         if func in _AS_STRIDED and args and isinstance(args[0], FunctionalTensor):
+            at_offset = func not in _AS_STRIDED_SCATTER and _at_caller_offset(args[0])
             args, kwargs = self._in_clone_coordinates(func, args, kwargs)
             if getattr(args[0], "_aotgrad_graph_input_value", False):  # redirected to the graph input
                 out = func(*args, **kwargs)
                 out._aotgrad_caller_storage_read = True  # no in-place op on it (Functionalize refuses)
+                return out
+            if at_offset:
+                out = func(*args, **kwargs)
+                out._aotgrad_absolute_view_of = (_describe_tensor(args[0]), at_offset)
                 return out
         if func is torch.Tensor.contiguous and args and isinstance(args[0], FunctionalTensor):
             return _contiguous_as_on_caller_layout(args[0], **kwargs)
@@ -403,6 +421,22 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         return (*lead, size, stride, offset - drift), {}
 
 
+def _at_caller_offset(t: FunctionalTensor) -> int:
+    """The storage offset of the input `t` views, when that input is traced as itself (its functional
+    value still at the caller's offset) and the offset is not 0; else 0.
+
+    An as_strided view of it takes an absolute offset. Autograd's record of a write through that view
+    (CopySlices) replays the view on a fresh copy of the input at offset 0 in the backward, where the
+    offset addresses other elements: `Functionalize` refuses such writes with gradients."""
+    root = _alias_root(t)
+    k, shift = getattr(root, "_aotgrad_primal", (None, 0))
+    if k is None or shift != 0 or root.storage_offset() == 0:
+        return 0
+    torch._sync(root)
+    value = torch._from_functional_tensor(root.elem)
+    return root.storage_offset() if value.storage_offset() == root.storage_offset() else 0
+
+
 def _view_or_refuse(func, args, kwargs):
     """`view()` of a tensor traced as the dense copy of a self-overlapping input (an expand()ed input
     that requires grad) can fail where the caller's layout allows it: refuse that clearly."""
@@ -416,6 +450,22 @@ def _view_or_refuse(func, args, kwargs):
             "and requires grad, so aotgrad traces it as a dense copy, where this view is impossible "
             f"({str(e).splitlines()[0]}). Use reshape(), or view a .clone()."
         ) from e
+
+
+def _check_not_absolute_with_grad(func, written: FunctionalTensor, args) -> None:
+    """See `_at_caller_offset`."""
+    view_of = getattr(written, "_aotgrad_absolute_view_of", None)
+    if view_of is None or not torch.is_grad_enabled():
+        return
+    if not any(isinstance(t, torch.Tensor) and _requires_grad(t) for t in pytree.tree_leaves(args)):
+        return
+    name, offset = view_of
+    raise UnsupportedAliasingError(
+        f"aotgrad: {func} writes, with gradients flowing, through an as_strided view of {name} (which sits "
+        f"at storage offset {offset}) taken with an absolute storage offset: autograd replays that view in "
+        "the backward on a copy at offset 0, where the offset addresses other elements. Use views relative "
+        "to the input (slicing, select), write under torch.no_grad(), or pass a .clone()."
+    )
 
 
 def _check_detach_in_place(t: torch.Tensor) -> None:
