@@ -1279,3 +1279,67 @@ def test_write_with_grad_through_an_absolute_as_strided_view_of_an_input_at_an_o
         return f(a0, a1, grad=False)
 
     _matches_eager(no_grad_write, make_inputs)
+
+
+@pytest.mark.parametrize("at_offset", [False, True])
+def test_views_of_a_detached_real_part_of_an_input_share_their_base_as_in_eager(at_offset):
+    """Seed 192 program 9271: the program returns two views of `a.real.detach()` (a complex input).
+    In eager both have that detached tensor as `._base`; aotgrad returned them from the graph, right
+    values but no `._base`, because rebuilding a detached alias of another dtype was not supported.
+    It is now rebuilt once from the input reinterpreted as real numbers. With the input at a storage
+    offset and requiring grad (traced as a copy at offset 0) its as_strided offset is converted in
+    real-number units (two per complex element)."""
+
+    def f(a):
+        v = a.real.detach().reshape((-1,))
+        if at_offset:
+            return (v[:1].unsqueeze(0), v)
+        return (v.as_strided((1, 1), (2, 2), 0).permute(0, 1), v)
+
+    def make_inputs():
+        r = _leaf(3, dtype=torch.complex64, requires_grad=at_offset)
+        return (r,), ((r.clone()[1:] if at_offset else r[0]),)
+
+    _matches_eager(f, make_inputs)
+
+
+def test_absolute_as_strided_of_the_real_part_of_an_input_traced_as_a_copy_at_an_offset():
+    """Found reviewing the fix above: an as_strided view with an absolute offset of `.real` of a complex
+    input at a storage offset that requires grad (traced as a copy at offset 0) had its offset moved
+    by the input's offset in complex elements, where the view counts real numbers (two per element):
+    here it read `a[1].real` for eager's `a[0].imag`. The offset is now converted in the view's units."""
+
+    def f(a):
+        return (a.real.as_strided((1,), (1,), 3) * 2,)
+
+    def make_inputs():
+        r = _leaf(5, dtype=torch.complex64)
+        return (r,), (r.clone()[1:],)
+
+    _matches_eager(f, make_inputs)
+
+
+def test_write_with_grad_into_inputs_sharing_memory_without_an_autograd_base_of_their_dtype_is_refused():
+    """Seed 191 program 36828: inputs 0 and 1 are two `view_as_real` views of one complex tensor
+    (neither requires grad); the program copies a value that requires grad into input 0. In eager both
+    inputs then require grad (through their complex base); aotgrad, which gives the graph their shared
+    memory as one flat tensor outside autograd, left them as they were. Refused; the same write under
+    no_grad matches."""
+
+    def f(a0, a1, a2, grad=True):
+        with torch.set_grad_enabled(grad):
+            a0.copy_(a2.reshape((1,)))
+        return (a0 + a2, a1 * 2)
+
+    def make_inputs():
+        c = _leaf(4, dtype=torch.complex64, requires_grad=False)
+        w = _leaf(seed=1)
+        return (c, w), (torch.view_as_real(c), torch.view_as_real(c), w)
+
+    with pytest.raises(UnsupportedMutationError, match="share memory without one autograd base"):
+        aot_function(f, nop)(*make_inputs()[1])
+
+    def no_grad_write(a0, a1, a2):
+        return f(a0, a1, a2, grad=False)
+
+    _matches_eager(no_grad_write, make_inputs)

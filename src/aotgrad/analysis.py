@@ -197,9 +197,13 @@ def view_chain(
     be returned by the graph (its autograd history is more than views, e.g. a custom Function)."""
     if out._base is not base:
         # Shares storage without an autograd view relation: .detach(), alias under no_grad...
-        if out.requires_grad or out.dtype != base.dtype:
+        if out.requires_grad:
             return None
-        return ViewChain(as_strided=meta_of(out), detach=True)
+        if out.dtype == base.dtype:
+            return ViewChain(as_strided=meta_of(out), detach=True)
+        if base.is_complex() and base.dtype.to_real() == out.dtype:  # e.g. a .detach() of .real
+            return ViewChain(steps=_as_real_steps(out), detach=True)
+        return None
     grad_steps = None  # how many trailing view ops autograd recorded (None: all of them)
     if base.requires_grad:
         names, reached = _autograd_path(out, base)
@@ -248,10 +252,7 @@ def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_st
         # view function of a view restrided in place replays the in-place op). An as_strided after the
         # replay would give the right values but lose gradients for elements outside the replayed
         # view: reinterpret the whole base, then as_strided in the real dtype's coordinates.
-        steps = (
-            ViewStep(torch.ops.aten.view_as_real.default, (), ()),
-            ViewStep(torch.ops.aten.as_strided.default, meta_of(out), ()),
-        )
+        steps = _as_real_steps(out)
     else:
         return None
     if grad_steps is None:
@@ -259,6 +260,15 @@ def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_st
     if grad_steps > len(steps):
         return None
     return ViewChain(steps=steps, no_grad_steps=len(steps) - grad_steps)
+
+
+def _as_real_steps(out: torch.Tensor) -> tuple[ViewStep, ...]:
+    """A complex base reinterpreted as real numbers, then an as_strided to `out`'s own geometry (in
+    the real dtype's coordinates)."""
+    return (
+        ViewStep(torch.ops.aten.view_as_real.default, (), ()),
+        ViewStep(torch.ops.aten.as_strided.default, meta_of(out), ()),
+    )
 
 
 def _keep_multi_output(out: torch.Tensor, chain: ViewChain | None) -> ViewChain | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -479,6 +480,13 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
                 m = InputMutation(data=True, visible_to_autograd=False, kept_in_graph=True)
             else:
                 differentiable = training and m.visible_to_autograd and analysis.is_differentiable(b)
+                if differentiable and isinstance(layout.primal_sources[k], StorageOfLeaf):
+                    raise UnsupportedMutationError(
+                        f"aotgrad: the program writes a value that requires grad into {name}, inputs that "
+                        "share memory without one autograd base of their dtype (e.g. views of a "
+                        ".detach(), or view_as_real views): in eager they then require grad through their "
+                        "own bases, which aotgrad cannot reach. Pass separate tensors (clone one of them)."
+                    )
                 idx = _add_fw_value(fw, b, MutatedInputValue(k), differentiable)
                 copies.append(CopyInto(k, idx, grad=differentiable or (m.visible_to_autograd and grad_on)))
         if p.requires_grad and (not b.requires_grad or getattr(b, "_aotgrad_detached", False)):
@@ -611,7 +619,7 @@ def _detached_bases(flat_out, leaf_of, base_storage, bases) -> list:
         k = base_storage.get(analysis.storage_id(b))
         if k is None or b is bases[k] or b._base is not None or id(b) in leaf_of:
             continue
-        if not b.requires_grad and b.dtype == bases[k].dtype:
+        if not b.requires_grad and (b.dtype == bases[k].dtype or bases[k].dtype.to_real() == b.dtype):
             hidden.append(b)
     return hidden
 
@@ -692,7 +700,7 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
             raise _no_storage_coordinates(f"{name} (a view of {_primal_name(layout, k)})")
         chain = replace(chain, as_strided=_shifted(f"{name}", shifts[k], *chain.as_strided))
     if shifts[k]:
-        chain = replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
+        chain = replace(chain, steps=_steps_in_caller_coordinates(chain.steps, shifts[k], Fraction(1)))
     leaf = getattr(o, "_aotgrad_member_leaf", None)
     if leaf is not None and isinstance(layout.primal_sources[k], StorageOfLeaf) and not m.storage and _starts_absolute(chain):
         return AliasOfLeaf(leaf, chain)
@@ -719,16 +727,26 @@ def _chain_in_caller_coordinates(fw, layout, name, o, chain, base_storage, bases
         raise _overlapping_input(_primal_name(layout, k))
     if chain.as_strided is not None:
         chain = replace(chain, as_strided=_shifted(name, shifts[k], *chain.as_strided))
-    return replace(chain, steps=tuple(_in_caller_coordinates(step, shifts[k]) for step in chain.steps))
+    ratio = Fraction(bases[k].element_size(), o._base.element_size())  # the chain starts from another output
+    return replace(chain, steps=_steps_in_caller_coordinates(chain.steps, shifts[k], ratio))
 
 
-def _in_caller_coordinates(step, shift: int):
-    """An as_strided step recorded on an input's clone (`trace_modes.TraceHooks` rewrote its offset) replayed on
-    the caller's tensor: back to the caller's storage offsets."""
-    if step.op is not torch.ops.aten.as_strided.default or len(step.args) < 3 or step.args[2] is None:
-        return step
-    size, stride, offset = step.args[:3]
-    return replace(step, args=(size, stride, offset + shift, *step.args[3:]))
+def _steps_in_caller_coordinates(steps, shift: int, ratio: Fraction) -> tuple:
+    """As_strided steps recorded on an input's clone (`trace_modes.TraceHooks` rewrote their offsets)
+    replayed on the caller's tensor: back to the caller's storage offsets. `shift` counts the input's
+    elements; `ratio` is how many elements of the chain's first tensor make one of the input's, and
+    changes with `view_as_real` / `view_as_complex` on the way."""
+    out = []
+    for step in steps:
+        if step.op is torch.ops.aten.view_as_real.default:
+            ratio *= 2
+        elif step.op is torch.ops.aten.view_as_complex.default:
+            ratio /= 2
+        elif step.op is torch.ops.aten.as_strided.default and len(step.args) >= 3 and step.args[2] is not None:
+            size, stride, offset = step.args[:3]
+            step = replace(step, args=(size, stride, offset + int(shift * ratio), *step.args[3:]))
+        out.append(step)
+    return tuple(out)
 
 
 def _intermediate_chain(pos, o):

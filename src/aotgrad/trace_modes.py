@@ -10,6 +10,7 @@ inputs traced as clones, `contiguous()`/`reshape()` decided on the caller's layo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 import torch.fx
@@ -379,8 +380,9 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             return self._in_value_coordinates(args, kwargs, lead, size, stride, offset, root)
         if k is None or shift == 0 or offset is None:
             return args, kwargs
-        new_offset = None if shift is None else offset - shift
-        if new_offset is None or not _inside(root, size, stride, new_offset):
+        ratio = _elements_per_root_element(args[0], root)
+        new_offset = None if shift is None or (shift * ratio).denominator != 1 else offset - int(shift * ratio)
+        if new_offset is None or not _inside(root, size, stride, new_offset, ratio):
             value = getattr(root, "_aotgrad_input_value", None)
             unmutated = value is not None and analysis.mutation_count(root) == root._aotgrad_clone_mutations
             if unmutated and args[0] is root and func in (torch.as_strided, torch.Tensor.as_strided):
@@ -418,7 +420,8 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
                 "mutation of that input, whose functional copy has another layout; the absolute offset has no "
                 "meaning there. Use views relative to the input (slicing, view, select)."
             )
-        return (*lead, size, stride, offset - drift), {}
+        ratio = _elements_per_root_element(args[0], root)
+        return (*lead, size, stride, offset - int(drift * ratio)), {}
 
 
 def _at_caller_offset(t: FunctionalTensor) -> int:
@@ -594,12 +597,18 @@ _AS_STRIDED_SCATTER = (torch.as_strided_scatter, torch.Tensor.as_strided_scatter
 _AS_STRIDED = (torch.as_strided, torch.Tensor.as_strided, torch.Tensor.as_strided_, *_AS_STRIDED_SCATTER)
 
 
-def _inside(clone: torch.Tensor, size, stride, offset: int) -> bool:
-    """Whether an as_strided view of (size, stride, offset) reads only elements of the dense `clone`."""
+def _inside(clone: torch.Tensor, size, stride, offset: int, ratio: Fraction = Fraction(1)) -> bool:
+    """Whether an as_strided view of (size, stride, offset) reads only elements of the dense `clone`
+    (offsets and strides counted in elements `ratio` times smaller than the clone's)."""
     if not is_non_overlapping_and_dense_or_false(clone):
         return False
     if not all(size):
         return 0 <= offset
-    first = clone.storage_offset()
+    first = clone.storage_offset() * ratio
     last = offset + sum((n - 1) * st for n, st in zip(size, stride))
-    return first <= offset and last < first + clone.numel() and all(st >= 0 for st in stride)
+    return first <= offset and last < first + clone.numel() * ratio and all(st >= 0 for st in stride)
+
+
+def _elements_per_root_element(t: torch.Tensor, root: torch.Tensor) -> Fraction:
+    """How many of `t`'s elements one element of `root` holds (2 for `.real` of a complex root)."""
+    return Fraction(root.element_size(), t.element_size())
