@@ -1343,3 +1343,45 @@ def test_write_with_grad_into_inputs_sharing_memory_without_an_autograd_base_of_
         return f(a0, a1, a2, grad=False)
 
     _matches_eager(no_grad_write, make_inputs)
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_view_as_real_of_an_input_returned_after_the_input_is_transposed_in_place(requires_grad):
+    """Seed 201 program 16988: the program returns `view_as_real(a)` taken before `a.transpose_(1, 0)`.
+    Eager's autograd rebuilds the view's history after the version bump by replaying view_as_real on
+    the transposed input, so its gradient comes out transposed; aotgrad rebuilt the view by its own
+    geometry (the gradient of the elements it holds). Refused when it requires grad; without grad
+    the same program matches."""
+
+    def f(a):
+        v = torch.view_as_real(a)
+        a.transpose_(1, -2)
+        return (v,)
+
+    def make_inputs():
+        r = _leaf(2, 2, dtype=torch.complex64, requires_grad=requires_grad)
+        return (r,), (r.clone(),)
+
+    if requires_grad:
+        with pytest.raises(UnsupportedAliasingError, match="replaying the view on the new layout"):
+            aot_function(f, nop)(*make_inputs()[1])
+    else:
+        _matches_eager(f, make_inputs)
+
+
+def test_unbind_of_a_view_restrided_in_place_is_not_replayed():
+    """Seed 201 program 44089 (a segfault): `v0 = a1.view(4, 1); v0.t_()`, an in-place metadata op on
+    another input, then `v0.unbind(1)[1].sum()`. Checking whether autograd would rebuild that view
+    with other elements replayed its recorded view function, and libtorch crashed replaying a
+    multi-output view op taken from a view restrided in place. Such a view function is never
+    replayed now; the use is refused as one whose rebuilt view cannot be checked."""
+
+    def f(a0, a1):
+        v0 = a1.view((4, 1))
+        v0.t_()
+        a0.squeeze_()
+        return (v0.unbind(1)[1].sum(),)
+
+    r = _leaf(4)
+    with pytest.raises(UnsupportedMutationError, match="view ops that no longer apply"):
+        aot_function(f, nop)(torch.zeros(3, 1), r.clone())

@@ -161,8 +161,8 @@ def _probe_like(t: torch.Tensor, requires_grad: bool, meta=None) -> torch.Tensor
 
 def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[ViewStep, ...], torch.Tensor] | None:
     """Replay `out`'s autograd view function on `base_probe`, returning the ops and the result (None
-    where it does not apply: view ops recorded for a base of another rank have crashed torch)."""
-    if getattr(out, "_aotgrad_base_dim", base_probe.dim()) != base_probe.dim():  # set by trace_modes
+    where it does not apply, or where replaying it is not safe: `may_replay`)."""
+    if not may_replay(out, base_probe):
         return None
     recorder = _ViewRecorder(base_probe)
     try:
@@ -175,6 +175,16 @@ def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[Vi
     if not recorder.ok:
         return None
     return tuple(recorder.steps), result
+
+
+def may_replay(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `view`'s recorded view function may be replayed on a tensor of `base`'s rank. Two kinds
+    have crashed libtorch (segfault): view ops recorded for a base of another rank, and a multi-output
+    view op (unbind, split...) taken from a view restrided in place, whose replay picks an output the
+    replayed layout may not have. `trace_modes` marks both on the views it sees made."""
+    if getattr(view, "_aotgrad_base_dim", base.dim()) != base.dim():
+        return False
+    return not getattr(view, "_aotgrad_split_after_restride", False)
 
 
 def _autograd_path(t: torch.Tensor, base: torch.Tensor) -> tuple[list[str], bool]:
@@ -247,6 +257,14 @@ def _exact_recorded_chain(out: FunctionalTensor, base: FunctionalTensor, grad_st
     recorded = _record_chain(out, _probe_like(base, requires_grad=base.requires_grad))
     if recorded is not None and recorded[1].dtype == out.dtype and meta_of(recorded[1]) == meta_of(out):
         steps = recorded[0]
+    elif out.requires_grad and getattr(out, "_aotgrad_dtype_view_at", 0) < getattr(base, "_aotgrad_layout", 0):
+        raise UnsupportedAliasingError(
+            f"aotgrad: a {out.dtype} view (view_as_real, .real, .imag) of a tensor that requires grad, taken "
+            "before an in-place metadata op (t_, transpose_, unsqueeze_...) restrided that tensor, is "
+            "returned: eager's autograd rebuilds its history by replaying the view on the new layout, so its "
+            "gradients follow elements the view does not hold, which aotgrad does not reproduce. Return a "
+            ".clone(), or take the view after the in-place op."
+        )
     elif base.is_complex() and base.dtype.to_real() == out.dtype and grad_steps in (None, 0):
         # The replay does not give `out` (its base, or a view on the way, was restrided in place; the
         # view function of a view restrided in place replays the in-place op). An as_strided after the

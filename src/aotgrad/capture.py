@@ -678,7 +678,10 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
             raise UnsupportedAliasingError(f"aotgrad: {name} reads storage around {_primal_name(layout, k)} "
                                            "through as_strided and cannot be rebuilt as a view. Return a .clone().")
         return AliasOfPrimal(k, chain)
-    chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
+    try:
+        chain = analysis.view_chain(o, bases[k], m.metadata or m.storage or k in fw.restrided)
+    except UnsupportedAliasingError as e:
+        raise UnsupportedAliasingError(f"{e} ({name}, a view of {_primal_name(layout, k)})") from None
     if chain is None:
         restrided_view = torch._functionalize_has_metadata_mutation(o.elem) or getattr(o, "_aotgrad_restrided_view", False)
         if m.any or k in fw.restrided or restrided_view:

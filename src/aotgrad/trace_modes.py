@@ -83,7 +83,7 @@ class Functionalize(FunctionalTensorMode):
                 args[0]._aotgrad_restrided_view = (func, _describe_tensor(args[0]))  # truthy: which op
                 args[0]._aotgrad_restrided_at = args[0]._version  # autograd bumps it once after this op
         if is_view_op:
-            _note_views(func, args[0], out)
+            _note_views(func, args[0], out, self.metadata_ops)
             epoch = getattr(args[0], "_aotgrad_layout", self.metadata_ops)
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 if isinstance(t, FunctionalTensor):
@@ -170,9 +170,10 @@ class Functionalize(FunctionalTensorMode):
         if replayed is not None and _same_elements(replayed, analysis.meta_of(a)):
             a._aotgrad_layout = self.metadata_ops
             return
-        op, on = self.last_metadata_op
+        own = getattr(a, "_aotgrad_restrided_view", False)
+        op, on = own or self.last_metadata_op
         rebuilt = f"as {replayed}" if replayed is not None else "with view ops that no longer apply to it"
-        when = "changed in place by, or taken from a view changed by," if restrided else "taken before"
+        when = "changed in place by, or taken from a view changed by," if own else "taken before"
         raise UnsupportedMutationError(
             f"aotgrad: {func} uses {_describe_tensor(a)} (size/stride/offset {analysis.meta_of(a)}) {when} "
             f"the in-place {op} on {on}; the traced autograd graph would rebuild that view from its base "
@@ -211,8 +212,8 @@ def _same_elements(meta, other) -> bool:
 def _replayed_on_current_base(view: FunctionalTensor):
     """The (size, stride, offset) `view`'s recorded view function gives on its base's current layout
     (None if it does not apply any more)."""
-    if view._base.dim() != getattr(view, "_aotgrad_base_dim", view._base.dim()):
-        return None  # replaying view ops recorded for another rank has crashed torch (segfault)
+    if not analysis.may_replay(view, view._base):
+        return None
     replayed = _replayed_on(view, view._base, None)
     return None if replayed is None else analysis.meta_of(replayed)
 
@@ -258,10 +259,15 @@ def _describe_tensor(t: torch.Tensor) -> str:
     return name if getattr(t, "_aotgrad_name", None) else f"a view of {name}"
 
 
-def _note_views(func, src: torch.Tensor, out) -> None:
+_DTYPE_VIEWS = (torch.ops.aten.view_as_real.default, torch.ops.aten.view_as_complex.default, torch.ops.aten.view.dtype)
+
+
+def _note_views(func, src: torch.Tensor, out, epoch: int) -> None:
     """Mark `src` as having views, and the views a write through which functionalization cannot scatter
     back: those of a self-overlapping `as_strided` result (its inverse, as_strided_scatter, refuses to
-    write overlapping elements) or of a self-overlapping input (the epilogue's copy_ into it would)."""
+    write overlapping elements) or of a self-overlapping input (the epilogue's copy_ into it would).
+    A view that reinterprets the dtype on the way remembers how many in-place metadata ops came before
+    (`analysis._exact_recorded_chain`: autograd rebuilds it by replaying the views after later ones)."""
     src._aotgrad_has_views = True
     outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,)) if isinstance(t, torch.Tensor)]
     caller_meta = getattr(src, "_aotgrad_caller_meta", None)
@@ -283,6 +289,14 @@ def _note_views(func, src: torch.Tensor, out) -> None:
             t._aotgrad_member_leaf = src._aotgrad_member_leaf
         if hasattr(src, "_aotgrad_absolute_view_of"):
             t._aotgrad_absolute_view_of = src._aotgrad_absolute_view_of
+        if getattr(src, "_aotgrad_split_after_restride", False) or (
+            isinstance(out, (list, tuple)) and getattr(src, "_aotgrad_restrided_view", False)
+        ):
+            t._aotgrad_split_after_restride = True
+        if hasattr(src, "_aotgrad_dtype_view_at"):
+            t._aotgrad_dtype_view_at = src._aotgrad_dtype_view_at
+        elif func in _DTYPE_VIEWS:
+            t._aotgrad_dtype_view_at = epoch
 
 
 def _check_custom_op(func, schema) -> None:
@@ -560,6 +574,8 @@ def _replayed_on(t: FunctionalTensor, root: FunctionalTensor, meta):
     probe = analysis._probe_like(root, requires_grad=False, meta=meta)
     if t is root:
         return probe
+    if not analysis.may_replay(t, probe):
+        return None
     try:
         with analysis.disable_functional_mode(), disable_proxy_modes_tracing():
             replayed = t._view_func_unsafe(probe)
