@@ -419,8 +419,7 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         """An input traced as itself keeps the caller's storage offset until a data mutation replaces
         its functional value by a fresh tensor (offset 0): functionalization then applies the absolute
         offset to that tensor. Shift it by the same amount; refuse when the value's layout differs."""
-        torch._sync(root)
-        value = torch._from_functional_tensor(root.elem)
+        value = analysis.unwrap(root)
         drift = root.storage_offset() - value.storage_offset()
         if drift == 0:
             if root.storage_offset() != 0:
@@ -449,9 +448,7 @@ def _at_caller_offset(t: FunctionalTensor) -> int:
     k, shift = getattr(root, "_aotgrad_primal", (None, 0))
     if k is None or shift != 0 or root.storage_offset() == 0:
         return 0
-    torch._sync(root)
-    value = torch._from_functional_tensor(root.elem)
-    return root.storage_offset() if value.storage_offset() == root.storage_offset() else 0
+    return root.storage_offset() if analysis.unwrap(root).storage_offset() == root.storage_offset() else 0
 
 
 def _view_or_refuse(func, args, kwargs):
