@@ -259,6 +259,16 @@ def _describe_tensor(t: torch.Tensor) -> str:
     return name if getattr(t, "_aotgrad_name", None) else f"a view of {name}"
 
 
+# What a view of a view inherits from it (each set by the checks that read it).
+_INHERITED_MARKS = (
+    "_aotgrad_restrided_view",
+    "_aotgrad_restrided_at",
+    "_aotgrad_caller_storage_read",
+    "_aotgrad_member_leaf",
+    "_aotgrad_absolute_view_of",
+    "_aotgrad_split_after_restride",
+    "_aotgrad_dtype_view_at",
+)
 _DTYPE_VIEWS = (torch.ops.aten.view_as_real.default, torch.ops.aten.view_as_complex.default, torch.ops.aten.view.dtype)
 
 
@@ -280,22 +290,12 @@ def _note_views(func, src: torch.Tensor, out, epoch: int) -> None:
         made_overlapping = func is torch.ops.aten.as_strided.default and overlaps_itself(t.shape, t.stride())
         if overlapping_input or made_overlapping or getattr(src, "_aotgrad_in_overlapping", False):
             t._aotgrad_in_overlapping = True
-        if getattr(src, "_aotgrad_restrided_view", False):
-            t._aotgrad_restrided_view = src._aotgrad_restrided_view
-            t._aotgrad_restrided_at = src._aotgrad_restrided_at
-        if getattr(src, "_aotgrad_caller_storage_read", False):
-            t._aotgrad_caller_storage_read = True
-        if hasattr(src, "_aotgrad_member_leaf"):
-            t._aotgrad_member_leaf = src._aotgrad_member_leaf
-        if hasattr(src, "_aotgrad_absolute_view_of"):
-            t._aotgrad_absolute_view_of = src._aotgrad_absolute_view_of
-        if getattr(src, "_aotgrad_split_after_restride", False) or (
-            isinstance(out, (list, tuple)) and getattr(src, "_aotgrad_restrided_view", False)
-        ):
+        for mark in _INHERITED_MARKS:
+            if hasattr(src, mark):
+                setattr(t, mark, getattr(src, mark))
+        if isinstance(out, (list, tuple)) and hasattr(src, "_aotgrad_restrided_view"):
             t._aotgrad_split_after_restride = True
-        if hasattr(src, "_aotgrad_dtype_view_at"):
-            t._aotgrad_dtype_view_at = src._aotgrad_dtype_view_at
-        elif func in _DTYPE_VIEWS:
+        if func in _DTYPE_VIEWS and not hasattr(src, "_aotgrad_dtype_view_at"):
             t._aotgrad_dtype_view_at = epoch
 
 
