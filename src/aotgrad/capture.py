@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils import _pytree as pytree
 
 from . import analysis
+from .cse import eliminate_common_subexpressions
 from .errors import (
     AotgradError,
     BackwardMutationError,
@@ -913,7 +914,7 @@ def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -
 
 
 def _finish_graph(gm: torch.fx.GraphModule, in_graph_mutated: set[int]) -> None:
-    """Flat signature, placeholders first, input clones dropped, dead code removed."""
+    """Flat signature, placeholders first, input clones dropped, dead code and repeats removed."""
     graph = gm.graph
     graph._codegen = torch.fx.graph.CodeGen()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -931,6 +932,7 @@ def _finish_graph(gm: torch.fx.GraphModule, in_graph_mutated: set[int]) -> None:
                 graph.erase_node(n)
     _copy_before_unviewable_views(graph)
     graph.eliminate_dead_code()
+    eliminate_common_subexpressions(graph, keep_apart=(INPUT_CLONE, BACKWARD_MUTATION))
     graph.lint()
     gm.recompile()
 

@@ -1,0 +1,118 @@
+"""Common-subexpression elimination on a captured graph.
+
+A joint graph computes many values twice: the backward recomputes what the forward already had
+(an attention mask per layer, the `full` scalars of every decomposed op), and a decomposition
+repeats itself wherever it is used. Left in, each copy is one more node for the partitioner to
+weigh and for the graph compiler to schedule and code-generate (measured on the demo's GPT-2: the
+backward went to Inductor with 603 nodes, upstream's with 430).
+
+`eliminate_common_subexpressions(graph)` keeps the first of any set of nodes that call the same
+operator on the same arguments and points the others' readers at it. In a functional graph that
+changes no value. What it never merges:
+
+- operators that draw random numbers (`nondeterministic_seeded`), write into an argument (mutable
+  schema), or are not plain aten/prims/custom operators (higher-order operators, Python functions
+  on symbolic sizes), and effect tokens;
+- nodes whose tags the partitioner reads and that differ (activation-checkpoint decisions, names
+  given with `checkpoint_name`), and nodes capture tagged (input clones, backward mutations);
+- two values that each reach a graph output (the output itself, or a view on its way there):
+  eager returns distinct tensors, and an in-place op on one output must not show in the other.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch.fx import Graph, Node
+
+# Meta entries that make two otherwise equal nodes different for later stages.
+_DISTINGUISHING_META = ("recompute", "ac_graph_id", "aotgrad_checkpoint_names")
+_NEVER_MERGED = {torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default}
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def eliminate_common_subexpressions(graph: Graph, keep_apart: tuple[str, ...] = ()) -> int:
+    """Merge repeated computations in `graph` in place; return how many nodes were removed.
+    Nodes with a truthy `meta[k]` for any `k` in `keep_apart` are left alone."""
+    reaches_output = _values_reaching_outputs(graph)
+    first_of: dict[tuple, Node] = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if not _mergeable(node, keep_apart):
+            continue
+        try:
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs),
+                   tuple(node.meta.get(k) for k in _DISTINGUISHING_META))
+            hash(key)
+        except (_Unhashable, TypeError):
+            continue
+        kept = first_of.setdefault(key, node)
+        if kept is node:
+            continue
+        if node in reaches_output:
+            if kept in reaches_output:
+                continue  # two outputs (or views of two outputs) must stay two tensors
+            reaches_output.add(kept)
+        node.replace_all_uses_with(kept)
+        graph.erase_node(node)
+        removed += 1
+    return removed
+
+
+def _mergeable(node: Node, keep_apart: tuple[str, ...]) -> bool:
+    if node.op != "call_function" or any(node.meta.get(k) for k in keep_apart):
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target in _NEVER_MERGED:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable
+
+
+def _values_reaching_outputs(graph: Graph) -> set[Node]:
+    """Graph outputs and the nodes they view (through view ops and `getitem` of a view op)."""
+    out: set[Node] = set()
+    for value in graph.output_node().all_input_nodes:
+        node = value
+        while node not in out:
+            out.add(node)
+            source = _viewed(node)
+            if source is None:
+                break
+            node = source
+    return out
+
+
+def _viewed(node: Node) -> Node | None:
+    """The node whose memory `node` is a view of, if it is one."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return None
+    if node.target is operator.getitem:
+        return node.args[0]
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns):
+        return node.args[0]
+    return None
+
+
+def _frozen(value):
+    """A hashable stand-in for an argument, equal only for arguments that give the same result:
+    `1`, `1.0` and `True` differ (they change result dtypes), and so do `0.0` and `-0.0`."""
+    if isinstance(value, Node):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _frozen(v)) for k, v in sorted(value.items())))
+    if isinstance(value, float):
+        return (float, repr(value))
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+        return (type(value), value)
+    raise _Unhashable
