@@ -1385,3 +1385,40 @@ def test_unbind_of_a_view_restrided_in_place_is_not_replayed():
     r = _leaf(4)
     with pytest.raises(UnsupportedMutationError, match="view ops that no longer apply"):
         aot_function(f, nop)(torch.zeros(3, 1), r.clone())
+
+
+# --- seed 221 -----------------------------------------------------------------------------------------
+
+
+def test_float64_scalar_gradient_through_float32_math_is_compared_at_float32_precision():
+    """Seed 221 program 15781: a float32 input multiplied in place by a 0-d float64 tensor that
+    requires grad. The scalar's gradient is float64 but computed by float32 sums, and eager and the
+    compiled backward add the contributions of three views in another order (20 float32 ulps apart
+    after cancellation). A test-side finding: `check_against_eager` now compares with the tolerance
+    of the least precise input dtype."""
+
+    def f(a0, a1, a2):
+        a1.squeeze().unsqueeze(2).mul_(a2)
+        return (a1.as_strided((1, 3), (3, 1), 0),)
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(221016444)
+        r0 = torch.randn((4, 3), generator=g, dtype=torch.float32)
+        c0 = r0.clone()
+        r1 = torch.randn((), generator=g, dtype=torch.float64).requires_grad_()
+        return (r0, r1), (c0[:, 1:], c0.view((1, 4, 3)), r1)
+
+    _matches_eager(f, make_inputs)
+
+
+def test_view_of_an_intermediate_computed_from_an_expanded_input_is_refused():
+    """Seed 221 program 25359 (a crash): `(a.transpose(-2, 0) * 2).view(12)` for an expand()ed
+    input that requires grad. aotgrad traces that input as a dense copy, and the product takes its
+    layout from it ((2, 6, 1) where eager's is contiguous), so the view failed inside the trace.
+    Refused now, naming the input (the view of the input itself was refused already)."""
+    base = torch.randn(2, 1, 2, requires_grad=True)
+    compiled = aot_function(lambda a: ((a.transpose(-2, 0) * 2).view(12),), nop)
+    with pytest.raises(UnsupportedAliasingError, match="computed while input 0 overlaps itself"):
+        compiled(base.expand(2, 3, 2))
+    reshaped = aot_function(lambda a: ((a.transpose(-2, 0) * 2).reshape(12),), nop)
+    torch.testing.assert_close(reshaped(base.expand(2, 3, 2))[0], (base.expand(2, 3, 2).transpose(-2, 0) * 2).reshape(12))

@@ -371,7 +371,7 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         if func in (torch.Tensor.reshape, torch.reshape) and args and isinstance(args[0], FunctionalTensor):
             return _reshape_as_on_caller_layout(func, *args, **kwargs)
         if func is torch.Tensor.view and args and isinstance(args[0], FunctionalTensor):
-            return _view_or_refuse(func, args, kwargs)
+            return _view_or_refuse(func, args, kwargs, self.dense_copies)
         if func in (torch.Tensor.detach, torch.detach) and args and isinstance(args[0], FunctionalTensor):
             out = func(*args, **kwargs)
             out._aotgrad_alias_of = _alias_root(args[0])  # detach() has no ._base, yet shares storage
@@ -451,18 +451,23 @@ def _at_caller_offset(t: FunctionalTensor) -> int:
     return root.storage_offset() if analysis.unwrap(root).storage_offset() == root.storage_offset() else 0
 
 
-def _view_or_refuse(func, args, kwargs):
+def _view_or_refuse(func, args, kwargs, dense_copies: Sequence[str]):
     """`view()` of a tensor traced as the dense copy of a self-overlapping input (an expand()ed input
-    that requires grad) can fail where the caller's layout allows it: refuse that clearly."""
+    that requires grad), or of an intermediate computed from one, can fail where the caller's layout
+    allows it (ops lay out their results after their inputs' strides): refuse that clearly."""
     try:
         return func(*args, **kwargs)
     except (RuntimeError, ValueError) as e:
-        if not getattr(_alias_root(args[0]), "_aotgrad_in_overlapping", False):
+        if getattr(_alias_root(args[0]), "_aotgrad_in_overlapping", False):
+            what = f"{_describe_tensor(args[0])}: the input overlaps itself"
+        elif dense_copies:
+            what = f"{_describe_tensor(args[0])}, computed while {dense_copies[0]} overlaps itself"
+        else:
             raise
         raise UnsupportedAliasingError(
-            f"aotgrad: view() of {_describe_tensor(args[0])}: the input overlaps itself (e.g. an expand()) "
-            "and requires grad, so aotgrad traces it as a dense copy, where this view is impossible "
-            f"({str(e).splitlines()[0]}). Use reshape(), or view a .clone()."
+            f"aotgrad: view() of {what} (e.g. an expand()) and requires grad, so aotgrad traces that "
+            "input as a dense copy, and this view is impossible on what is computed from it "
+            f"({str(e).splitlines()[0]}). Use reshape(), or pass a .contiguous() input."
         ) from e
 
 
