@@ -6,6 +6,14 @@ went second). Here every compile runs in its own new Python process, which is al
 job meets it: imports, an untimed warm-up compile (one-time process costs), then one cold compile
 (empty Inductor cache, caches off) timed. Backends alternate which goes first in each repeat.
 
+Caveat, measured: the same graph's compile time also depends on what the calling process did before
+in ways no repeat averages out. AdamW's step (the same 1564-node Dynamo graph, the same aotgrad graph,
+checked) compiled in 14.2-14.6 s when this script's `main()` called `child()`, and in 11.4-11.7 s
+when a three-line wrapper imported this module and called `child()` itself, three runs each,
+interleaved; upstream's went the other way (13.5-14.4 s vs 14.8-16.7 s). Inductor's scheduler made
+the same number of fusion checks at different speed; the interpreter itself was not slower (a
+dict loop timed inside both). So a ratio here is for this harness, not a property of the graphs.
+
 Rows: the GPT-2 training step of the demo (forward + backward) and AdamW's `step()` over its
 parameters (the other graph the demo's first step compiles).
 

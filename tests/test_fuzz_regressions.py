@@ -1422,3 +1422,20 @@ def test_view_of_an_intermediate_computed_from_an_expanded_input_is_refused():
         compiled(base.expand(2, 3, 2))
     reshaped = aot_function(lambda a: ((a.transpose(-2, 0) * 2).reshape(12),), nop)
     torch.testing.assert_close(reshaped(base.expand(2, 3, 2))[0], (base.expand(2, 3, 2).transpose(-2, 0) * 2).reshape(12))
+
+
+def test_write_through_an_empty_view_taken_before_a_restride_of_its_base_is_refused():
+    """Seed 231 program 15085: `v = a.diagonal(-1)` of a (1, 3) input that requires grad is empty;
+    after `a.t_()`, `v.copy_(x)` writes nothing, but eager's autograd records the write by replaying
+    the view on the transposed (3, 1) base, where it covers one element, and zeroes that element's
+    gradient. The check for such stale views skipped empty ones; it replays them now and refuses."""
+
+    def f(a0, a1):
+        v1 = a1.diagonal(-1, 0, 1)
+        a1.t_()
+        v1.copy_(a0)
+        return (v1.expand((2, 0)),)
+
+    r = _leaf(1, 3)
+    with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.t_.default"):
+        aot_function(f, nop)(torch.randn(()), r.clone())

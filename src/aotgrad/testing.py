@@ -118,7 +118,7 @@ def check_against_eager(
     compiled = compiled or aot_function(f, nop, **aot_kwargs)
     ref = _run(f, make_inputs, mutate_outputs)
     test = _run(compiled, make_inputs, mutate_outputs)
-    coarsest = _coarsest_float(_tensors(make_inputs()))
+    coarsest = _coarsest_float(_tensors((ref["roots"], ref["args"])))
     close = functools.partial(_assert_close, coarsest=coarsest)
     ref_flat, test_flat = pytree.tree_flatten(ref["out"]), pytree.tree_flatten(test["out"])
     if ref_flat[1] != test_flat[1]:

@@ -164,8 +164,9 @@ class Functionalize(FunctionalTensorMode):
             return
         if restrided and not _requires_grad(a):
             return  # a write bringing gradients through a restrided view: _check_not_restrided refuses it
-        if not (torch.is_grad_enabled() and (_requires_grad(a) or gets_grad)) or a.numel() == 0:
-            return  # autograd does not rebuild it now, or there is nothing to get wrong
+        if not (torch.is_grad_enabled() and (_requires_grad(a) or gets_grad)):
+            return  # autograd does not rebuild it now
+        # Not even for an empty view: replayed on the restrided base it may cover elements (seed 231).
         replayed = _replayed_on_current_base(a)
         if replayed is not None and _same_elements(replayed, analysis.meta_of(a)):
             a._aotgrad_layout = self.metadata_ops
