@@ -27,7 +27,8 @@ import torch
 import torch.fx
 from torch.fx import Graph, Node
 
-# Meta entries that make two otherwise equal nodes different for later stages.
+# Meta entries that make two otherwise equal nodes different for later stages: torch.utils.checkpoint's
+# selective-checkpoint tags and partition_mincut.NAME_KEY (spelled out: that module imports capture).
 _DISTINGUISHING_META = ("recompute", "ac_graph_id", "aotgrad_checkpoint_names")
 _NEVER_MERGED = {torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default}
 
@@ -76,7 +77,8 @@ def _mergeable(node: Node, keep_apart: tuple[str, ...]) -> bool:
 
 
 def _values_reaching_outputs(graph: Graph) -> set[Node]:
-    """Graph outputs and the nodes they view (through view ops and `getitem` of a view op)."""
+    """Graph outputs and the nodes they view, through view ops and `getitem` (of any multi-output op,
+    which keeps two outputs from one `var_mean` apart as well)."""
     out: set[Node] = set()
     for value in graph.output_node().all_input_nodes:
         node = value
