@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from aotgrad import aot_function, nop
+from aotgrad import aot_function, default_partition, nop
 from aotgrad.cse import eliminate_common_subexpressions
 from aotgrad.testing import check_against_eager
 
@@ -48,16 +48,35 @@ def test_repeated_computation_runs_once_in_forward_and_backward():
     check_against_eager(f, _leaf(4))
 
 
-def test_backward_reuses_what_forward_computed():
-    """The attention-mask pattern: a value built from constants in the forward and again in the
-    backward is one node, so the backward neither saves nor rebuilds a second copy."""
-    def f(x):
-        mask = torch.ones(4, 4).tril().bool()
-        return torch.where(mask, x, torch.zeros(())).exp().sum()
+class _RecomputingBackward(torch.autograd.Function):
+    """A backward that computes again what the forward computed (as decompositions do)."""
 
-    fw, bw = _graphs(f, torch.randn(4, 4, requires_grad=True))
-    assert sum(_count(g, aten.where.self) for g in (fw, bw)) <= 2
-    check_against_eager(f, _leaf(4, 4))
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin() * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x.sin() * 2)
+
+
+def test_backward_reuses_what_forward_computed():
+    """The joint graph's backward computation of `sin(x) * 2` is the forward's node, so the
+    partitioner sees one value (to save or recompute), not two."""
+    sins = []
+
+    def partition(joint, inputs, **kwargs):
+        sins.append(_count(joint, aten.sin.default))
+        return default_partition(joint, inputs, **kwargs)
+
+    def f(x):
+        return _RecomputingBackward.apply(x).sum()
+
+    aot_function(f, nop, partition_fn=partition)(torch.randn(4, requires_grad=True)).backward()
+    assert sins == [1]
+    check_against_eager(f, _leaf(4))
 
 
 def test_equal_outputs_stay_distinct_tensors():
