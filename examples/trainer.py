@@ -23,9 +23,10 @@ same compile in a fresh one, depending on which variant went first. The processe
 step each (the others wait on a pipe, idle), another variant first each step, so a machine that
 speeds up or slows down over the run, or a step's after-effects, hit every variant alike (run one
 after the other, variants minutes apart measured step-time ratios 8% off the interleaved ones; with
-a fixed turn order, the variant stepping right after eager measured up to 15% slower). Compile times are measured after an untimed warm-up compile (one-time
-process costs); each compiled variant starts from an empty Inductor cache (a fresh cache directory,
-caches off), so no variant reuses kernels another compiled; --warm-caches keeps them.
+a fixed turn order, the variant stepping right after eager measured up to 15% slower). Compile times
+are measured after an untimed warm-up compile (one-time process costs); each compiled variant starts
+from an empty Inductor cache (a fresh cache directory, caches off), so no variant reuses kernels
+another compiled; --warm-caches keeps them.
 
 Saved activation bytes are counted the same way for all three: `saved_tensors_hooks` during one
 forward, counting each distinct storage once and leaving out parameters and the input batch (eager:

@@ -127,18 +127,29 @@ def test_scalars_that_look_equal_are_kept_apart():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_input_mutations_and_their_readers_are_kept():
-    def f(a, b):
-        a.add_(1)
-        b.add_(1)
-        return a * 2, b * 2
+def test_one_value_written_into_two_inputs_keeps_both_writes():
+    """Kept in the graph (keep_inference_input_mutations), two inputs get the same new value: its
+    computation is merged, the two copy_ nodes are not."""
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    def f(a, b, c):
+        a.copy_(c.sin())
+        b.copy_(c.sin())
+        return c * 2
 
     def make():
         torch.manual_seed(0)
-        a, b = torch.randn(3), torch.randn(3)
-        return (a, b), (a, b)
+        a, b, c = torch.randn(3), torch.randn(3), torch.randn(3)
+        return (a, b, c), (a, b, c)
 
-    check_against_eager(f, make)
+    compiled = aot_function(f, keep, keep_inference_input_mutations=True)
+    check_against_eager(f, make, compiled=compiled)
+    (gm,) = graphs
+    assert _count(gm, aten.sin.default) == 1 and _count(gm, aten.copy_.default) == 2
 
 
 def test_pass_leaves_tagged_and_mutating_nodes():

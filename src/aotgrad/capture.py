@@ -74,7 +74,7 @@ from .plan import (
     StorageOfLeaf,
     UserOutput,
 )
-from .trace_modes import Functionalize, TraceHooks, overlaps_itself
+from .trace_modes import Functionalize, TraceHooks, elements_per_root_element, overlaps_itself
 from .tracer import LeanTracer
 
 INPUT_CLONE = "aotgrad_input_clone"
@@ -731,7 +731,7 @@ def _chain_in_caller_coordinates(fw, layout, name, o, chain, base_storage, bases
         raise _overlapping_input(_primal_name(layout, k))
     if chain.as_strided is not None:
         chain = replace(chain, as_strided=_shifted(name, shifts[k], *chain.as_strided))
-    ratio = Fraction(bases[k].element_size(), o._base.element_size())  # the chain starts from another output
+    ratio = elements_per_root_element(o._base, bases[k])  # the chain starts from another output
     return replace(chain, steps=_steps_in_caller_coordinates(chain.steps, shifts[k], ratio))
 
 

@@ -395,7 +395,7 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             return self._in_value_coordinates(args, kwargs, lead, size, stride, offset, root)
         if k is None or shift == 0 or offset is None:
             return args, kwargs
-        ratio = _elements_per_root_element(args[0], root)
+        ratio = elements_per_root_element(args[0], root)
         new_offset = None if shift is None or (shift * ratio).denominator != 1 else offset - int(shift * ratio)
         if new_offset is None or not _inside(root, size, stride, new_offset, ratio):
             value = getattr(root, "_aotgrad_input_value", None)
@@ -434,7 +434,7 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
                 "mutation of that input, whose functional copy has another layout; the absolute offset has no "
                 "meaning there. Use views relative to the input (slicing, view, select)."
             )
-        ratio = _elements_per_root_element(args[0], root)
+        ratio = elements_per_root_element(args[0], root)
         return (*lead, size, stride, offset - int(drift * ratio)), {}
 
 
@@ -628,6 +628,6 @@ def _inside(clone: torch.Tensor, size, stride, offset: int, ratio: Fraction = Fr
     return first <= offset and last < first + clone.numel() * ratio and all(st >= 0 for st in stride)
 
 
-def _elements_per_root_element(t: torch.Tensor, root: torch.Tensor) -> Fraction:
+def elements_per_root_element(t: torch.Tensor, root: torch.Tensor) -> Fraction:
     """How many of `t`'s elements one element of `root` holds (2 for `.real` of a complex root)."""
     return Fraction(root.element_size(), t.element_size())
