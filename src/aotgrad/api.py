@@ -20,6 +20,7 @@ from . import inputs as inputs_stage
 from .capture import NeedsSyntheticBase, capture
 from .compile import compile_inference, compile_training
 from .errors import UnsupportedMutationError, UnsupportedOutputError
+from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
 from .plan import GraphOutput, UserOutput
 from .runtime import build_runner
@@ -38,7 +39,14 @@ class AOTConfig:
 
 
 def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
-    """Run the whole pipeline for one input signature; return the generated `run(leaves)`."""
+    """Run the whole pipeline for one input signature; return the generated `run(leaves)`.
+
+    It runs on a roomy interpreter stack (interpreter_stack.py): compile time then does not depend
+    on how deep the caller's stack is."""
+    return on_roomy_stack(_compile_signature, fn, leaves, spec, config)
+
+
+def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
     inputs_stage.check_supported(leaves)
     training = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in leaves

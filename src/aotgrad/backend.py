@@ -69,6 +69,7 @@ from .api import (
 from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
 from .inputs import alias_key, is_wrapper, storage_id
+from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
 
 __all__ = [
@@ -161,7 +162,7 @@ class AotgradBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         try:
-            return self._compile(gm, list(example_inputs))
+            return on_roomy_stack(self._compile, gm, list(example_inputs))
         except Exception as e:
             if _must_propagate(e):
                 raise

@@ -18,6 +18,7 @@ import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .compilers import boxed, takes_functional_graphs
+from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
 from .reinplace import reinplace
@@ -43,10 +44,13 @@ class CompiledForward:
         if self._backward is None:
             with self._lock:
                 if self._backward is None:
-                    if not takes_functional_graphs(self.bw_compiler):
-                        reinplace(self.bw_module)
-                    self._backward = boxed(self.bw_compiler(self.bw_module, list(example_inputs)))
+                    self._backward = on_roomy_stack(self._compile_backward, list(example_inputs))
         return self._backward
+
+    def _compile_backward(self, example_inputs: list) -> Callable:
+        if not takes_functional_graphs(self.bw_compiler):
+            reinplace(self.bw_module)
+        return boxed(self.bw_compiler(self.bw_module, example_inputs))
 
 
 def compile_inference(captured: Captured, compiler: Callable, example_primals: Sequence[Any]) -> CompiledForward:
