@@ -891,3 +891,28 @@ def test_metadata_mutation_under_no_grad_of_leaf_or_view_is_refused():
 
     with pytest.raises(aotgrad.UnsupportedMutationError, match="no_grad"):
         aot_function(f, nop)(torch.randn(2, requires_grad=True))
+
+
+def test_nodes_name_the_op_they_were_decomposed_from():
+    """`meta["original_aten"]` is what Inductor names its kernels after (`cpp_fused_gelu_...`).
+
+    Only the lean recorder writes it: make_fx does so under `preserve_node_meta`, which would also copy
+    a selective-checkpoint region's `recompute` tag onto every node traced after the region."""
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    decomps = get_decompositions([aten.gelu.default])
+    f = aot_function(lambda x: torch.nn.functional.gelu(x).sin(), keep, keep, decompositions=decomps)
+    x = torch.randn(4, requires_grad=True)
+    torch.testing.assert_close(f(x), torch.nn.functional.gelu(x).sin())
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    originals = {n.meta.get("original_aten") for n in calls}
+    assert aten.gelu.default in originals  # the erf, mul, add... of gelu's decomposition
+    assert aten.gelu.default not in {n.target for n in calls}
+    assert all(n.meta.get("original_aten") is aten.sin.default for n in calls if n.target is aten.sin.default)

@@ -50,6 +50,9 @@ class LeanTracer(TorchDispatchMode):
         self.keep_alive: list[Any] = []  # ids stay unique while the trace runs
         self.num_constants = 0
         self.first_op: torch.fx.Node | None = None
+        # The op the program called, while its decomposition runs: Inductor names kernels after it
+        # (`meta["original_aten"]`, as make_fx records it), so profiles read `cpp_fused_gelu_...`.
+        self.original_op: Callable | None = None
         for i, p in enumerate(primals):
             self._bind(p, self.graph.placeholder(f"primals_{i + 1}"))
         # FunctionalTensorMode looks up `mode.tracer.tensor_tracker[t].proxy.node` on the mode in the
@@ -110,6 +113,7 @@ class LeanTracer(TorchDispatchMode):
         if self.first_op is None:
             self.first_op = node
         node.meta["val"] = out
+        node.meta["original_aten"] = self.original_op or target
         if isinstance(out, torch.Tensor):
             if id(out) not in self.nodes:  # an in-place op returns its (already recorded) input
                 self._bind(out, node)
@@ -129,14 +133,24 @@ class LeanTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         decomposition = self.decompositions.get(func)
         if decomposition is not None:
-            with self:
-                out = decomposition(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
+            out = self._decompose(func, decomposition, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if func in _METADATA_OPS:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         return self.record(func, args, kwargs, out)
+
+    def _decompose(self, func, decomposition, args, kwargs):
+        outermost = self.original_op is None
+        if outermost:
+            self.original_op = func
+        try:
+            with self:
+                return decomposition(*args, **kwargs)
+        finally:
+            if outermost:
+                self.original_op = None
 
     def finish(self, outputs: list) -> torch.fx.GraphModule:
         self.graph.output([self._arg(o) if isinstance(o, torch.Tensor) else o for o in outputs])
