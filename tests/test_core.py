@@ -916,3 +916,42 @@ def test_nodes_name_the_op_they_were_decomposed_from():
     assert aten.gelu.default in originals  # the erf, mul, add... of gelu's decomposition
     assert aten.gelu.default not in {n.target for n in calls}
     assert all(n.meta.get("original_aten") is aten.sin.default for n in calls if n.target is aten.sin.default)
+
+
+def test_backward_frees_each_saved_activation_after_its_last_use():
+    """The autograd node lets go of its saved tensors before the boxed backward runs, so an
+    activation dies inside the backward graph instead of living until the backward returns."""
+    import weakref
+
+    still_alive = []
+
+    def bw_compiler(gm, _):
+        def run(args):
+            # x itself is alive anyway (the caller holds it); every other argument only in `args`
+            refs = [weakref.ref(a) for a in args if a is not x]
+            out = gm(*args)
+            args.clear()
+            still_alive.append([r() is not None for r in refs])
+            return out
+
+        run._boxed_call = True
+        return run
+
+    x = torch.randn(8, requires_grad=True)
+    f = aot_function(lambda x: x.sin().cos(), nop, bw_compiler, partition_fn=aotgrad.default_partition)
+    f(x).sum().backward()
+    (alive,) = still_alive
+    assert len(alive) == 2 and not any(alive), alive  # saved sin(x), the (made contiguous) tangent
+    torch.testing.assert_close(x.grad, -x.sin().sin() * x.cos())
+
+
+def test_retain_graph_runs_the_backward_twice():
+    x = torch.randn(8, requires_grad=True)
+    f = aot_function(lambda x: x.sin().cos() * x, nop)
+    out = f(x).sum()
+    out.backward(retain_graph=True)
+    first = x.grad.clone()
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.backward()

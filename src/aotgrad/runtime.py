@@ -122,6 +122,11 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     parts += [f"_contig(grads[{i}])" for i in diff]
     bw.globals["_contig"] = _contiguous
     bw.emit(f"args = [{', '.join(parts)}]")
+    # The node lets go of its saved tensors (unless retain_graph keeps them for another backward),
+    # so the boxed graph, which clears `args`, frees each activation after its last use: the
+    # backward's peak memory is then what the graph needs, not that plus every saved activation.
+    if n_t:
+        bw.emit("ctx.maybe_clear_saved_tensors()")
     bw.emit(f"return tuple({cfw}.backward(args)(args))")
     backward = bw.build("backward", "def backward(ctx, *grads):")
 
