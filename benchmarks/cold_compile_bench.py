@@ -18,9 +18,12 @@ compiled in 11.4-12.2 s or 14.3-17.1 s depending only on two extra frames in the
 used to warn about.
 
 Rows: the GPT-2 training step of the demo (forward + backward) and AdamW's `step()` over its
-parameters (the other graph the demo's first step compiles).
+parameters (the other graph the demo's first step compiles); on request (`--rows`) also the training
+step of each model of models.py, whose in-process compile times in backend_bench.py depend most on
+what the process compiled before (mlp: 1.02-1.09x there, 0.98-1.00x here).
 
     python benchmarks/cold_compile_bench.py [--repeats 3] [--rows gpt2,adamw] [--stack as-called,roomy]
+    python benchmarks/cold_compile_bench.py --rows mlp,transformer,cnn_bn,pointwise200 --stack as-called
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 BACKENDS = ("aotgrad", "inductor")
-ROWS = {"gpt2": "gpt2 train step", "adamw": "gpt2 AdamW.step"}
+ROWS = {"gpt2": "gpt2 train step", "adamw": "gpt2 AdamW.step", "mlp": "mlp train step",
+        "transformer": "transformer train step", "cnn_bn": "cnn_bn train step",
+        "pointwise200": "pointwise200 train step"}
+DEFAULT_ROWS = ("gpt2", "adamw")
 STACKS = ("as-called", "roomy")
 
 
@@ -52,8 +58,8 @@ def child(backend: str, row: str, stack: str = "as-called") -> float:
     from aotgrad.interpreter_stack import on_roomy_stack
 
     bb.warm_up_process()
-    pristine, inputs = bb.make_gpt2()
-    if row == "gpt2":
+    pristine, inputs = bb.make_gpt2() if row in ("gpt2", "adamw") else bb.all_models()[row]()
+    if row != "adamw":
         mod, inp = copy.deepcopy(pristine), bb._clone_inputs(inputs)
 
         def compile_once():
@@ -112,7 +118,8 @@ def measure(stack: str, row_names: list[str], repeats: int, fmt_ratio) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="fresh-process compiles per backend and row (default 3)")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"comma-separated subset of {','.join(ROWS)} (default {','.join(DEFAULT_ROWS)})")
     p.add_argument("--stack", default=",".join(STACKS), help=f"comma-separated subset of {','.join(STACKS)}")
     p.add_argument("--child", nargs=3, metavar=("BACKEND", "ROW", "STACK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -126,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from harness import fmt_ratio, table
 
+    row_names = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in row_names if r not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {unknown}; available: {list(ROWS)}")
     for stack in [m for m in args.stack.split(",") if m]:
-        rows, verdict = measure(stack, [r for r in args.rows.split(",") if r], args.repeats, fmt_ratio)
+        rows, verdict = measure(stack, row_names, args.repeats, fmt_ratio)
         print()
         print(f"== cold torch.compile, each compile in a fresh process, stack {stack} (median of {args.repeats}) ==")
         print(table(["graph", "aotgrad s", "inductor s", "ratio", "min-ratio", "per-repeat ratios"], rows, "lrrrrl"))

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-partition", action="store_true")
     p.add_argument("--skip-backend", action="store_true", help="skip torch.compile+Inductor (4-5 min)")
     p.add_argument("--skip-fresh-compile", action="store_true",
-                   help="skip cold torch.compile times measured in fresh processes (~5 min)")
+                   help="skip cold torch.compile times measured in fresh processes (~9 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         import cold_compile_bench
 
         cold_compile_bench.main(["--repeats", "2"])
+        cold_compile_bench.main(["--repeats", "2", "--stack", "as-called",
+                                 "--rows", "mlp,transformer,cnn_bn,pointwise200"])
 
     print()
     print("== Summary ==")
