@@ -20,7 +20,8 @@ used to warn about.
 Rows: the GPT-2 training step of the demo (forward + backward) and AdamW's `step()` over its
 parameters (the other graph the demo's first step compiles); on request (`--rows`) also the training
 step of each model of models.py, whose in-process compile times in backend_bench.py depend most on
-what the process compiled before (mlp: 1.02-1.09x there, 0.98-1.00x here).
+what the process compiled before (mlp: 1.00-1.09x there; here 1.00-1.10x per repeat, since its
+backward has one more C++ kernel to build, ARCHITECTURE.md).
 
     python benchmarks/cold_compile_bench.py [--repeats 3] [--rows gpt2,adamw] [--stack as-called,roomy]
     python benchmarks/cold_compile_bench.py --rows mlp,transformer,cnn_bn,pointwise200 --stack as-called
@@ -58,7 +59,7 @@ def child(backend: str, row: str, stack: str = "as-called") -> float:
     from aotgrad.interpreter_stack import on_roomy_stack
 
     bb.warm_up_process()
-    pristine, inputs = bb.make_gpt2() if row in ("gpt2", "adamw") else bb.all_models()[row]()
+    pristine, inputs = bb.all_models()["gpt2" if row == "adamw" else row]()
     if row != "adamw":
         mod, inp = copy.deepcopy(pristine), bb._clone_inputs(inputs)
 

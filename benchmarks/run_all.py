@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-partition", action="store_true")
     p.add_argument("--skip-backend", action="store_true", help="skip torch.compile+Inductor (4-5 min)")
     p.add_argument("--skip-fresh-compile", action="store_true",
-                   help="skip cold torch.compile times measured in fresh processes (~9 min)")
+                   help="skip cold torch.compile times measured in fresh processes (~13 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
