@@ -336,6 +336,40 @@ def test_budget_saves_a_cheap_intermediate_to_land_between_whole_steps():
     check_against_eager(_ln_mlp, _ln_mlp_make(), compiled=aot_function(_ln_mlp, nop, partition_fn=pf))
 
 
+_LN_DECOMPOSED = torch._decomp.get_decompositions([
+    torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm_backward,
+    torch.ops.aten.gelu, torch.ops.aten.gelu_backward,
+])
+
+
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_normalised_value_read_by_a_backward_matmul_is_saved_at_budget_one(budget):
+    # LayerNorm decomposed as Inductor sees it (var_mean, a large reduction): its output feeds the
+    # next linear, whose weight gradient reads it again. At budget 1 it is saved (recomputing it
+    # would cost the backward one more kernel); a lower budget may recompute it; GELU's output, a
+    # pointwise function of a saved matmul, is always recomputed.
+    pf = min_cut_rematerialization_partition if budget is None else mincut_partitioner(budget)
+    make = _ln_mlp_make()
+    g = Graphs()
+    compiled = aot_function(_ln_mlp, g, nop, partition_fn=pf, decompositions=_LN_DECOMPOSED)
+    check_against_eager(_ln_mlp, make, compiled=compiled)
+
+    def from_var_mean(n):
+        return any(getattr(a.target, "overloadpacket", None) is torch.ops.aten.var_mean or from_var_mean(a)
+                   for a in n.all_input_nodes)
+
+    def feeds_matmul(n):
+        return any(op_class(u) == "matmul" or (op_class(u) == "view" and feeds_matmul(u)) for u in n.users)
+
+    saved = g.saved_nodes(1)
+    normalised = [n for n in saved if n.target is torch.ops.aten.mul.Tensor and from_var_mean(n)]
+    assert len(normalised) == (3 if budget is None else 0), [n.name for n in saved]
+    assert all(feeds_matmul(n) for n in normalised)
+    assert "erf" in [name for name, _ in g.info.recomputed] and not any(
+        n.target is torch.ops.aten.erf.default for n in saved
+    )
+
+
 def test_budget_split_lands_on_target_between_whole_steps():
     # _ln_mlp: 8 rows, hidden activations of 8 x 32 floats = 1 KiB, budget range 2688 B. No whole plan
     # lies between 0.38 and 0.67 of the range; 0.5 asks for 320 B more than the plan at 0.38: the
