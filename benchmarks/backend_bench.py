@@ -8,7 +8,8 @@ of models.py, in one process:
    `compiled(*inputs)` + `.backward()` (Dynamo + AOT + Inductor for the forward and the backward).
    The first step's gradients are checked against eager.
 2. Steady state: median time of a training step (forward + backward + grads set to None) of the
-   already compiled model; samples alternate between the two backends so machine load hits both.
+   already compiled model; samples alternate between the two backends so machine load hits both,
+   and each runs `--steps` steps or as many more as fill SAMPLE_SECONDS (0.2 s).
 3. With gpt2, a row for `torch.compile(opt.step)` of the demo's AdamW (tensor learning rate) over
    GPT-2's parameters with fixed gradients: the same two measurements for the optimizer step, whose
    cold compile the demo's first step includes. Parameters after one step are checked against eager.
@@ -25,7 +26,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
+import math
 import os
 import sys
 import time
@@ -205,17 +208,8 @@ def bench_model(name: str, factory: Callable, steps: int, samples: int, compile_
             sides[b] = side
     sides = {b: sides[b] for b in BACKENDS}
     live = [b for b in BACKENDS if sides[b].compiled is not None]
-    for b in live:  # warm-up
-        s = sides[b]
-        for _ in range(2):
-            _step(s.compiled, s.module, s.inputs)
-    for k in range(samples):
-        for b in (live if k % 2 == 0 else live[::-1]):  # neither backend always runs right after the other
-            s = sides[b]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                _step(s.compiled, s.module, s.inputs)
-            s.steps.append((time.perf_counter() - t0) / steps)
+    runs = {b: functools.partial(_step, sides[b].compiled, sides[b].module, sides[b].inputs) for b in live}
+    _time_samples(runs, sides, steps, samples)
     for s in sides.values():
         s.compiled = s.module = None
         s.inputs = ()
@@ -258,15 +252,31 @@ def bench_optimizer(name: str, factory: Callable, steps: int, samples: int, comp
                 live[b] = step
             except Exception as e:  # report, keep going
                 side.error = error_text(e)
-    for step in live.values():  # warm-up
-        step()
+    _time_samples(live, sides, steps, samples)
+    return ModelResult(name, sides)
+
+
+SAMPLE_SECONDS = 0.2  # a timing sample runs at least this long: a 4 ms step alone is mostly noise
+
+
+def _time_samples(runs: dict[str, Callable[[], None]], sides: dict[str, Side], steps: int, samples: int) -> None:
+    """Warm up, then `samples` timing samples per backend, alternating which backend goes first.
+    A sample runs `steps` steps, or more so that it lasts about SAMPLE_SECONDS (same for both)."""
+    slowest = 0.0
+    for run in runs.values():
+        run()
+        t0 = time.perf_counter()
+        run()
+        slowest = max(slowest, time.perf_counter() - t0)
+    steps = max(steps, math.ceil(SAMPLE_SECONDS / max(slowest, 1e-6)))
+    order = list(runs)
     for k in range(samples):
-        for b, step in (list(live.items()) if k % 2 == 0 else list(live.items())[::-1]):
+        for b in (order if k % 2 == 0 else order[::-1]):  # neither backend always runs right after the other
+            run = runs[b]
             t0 = time.perf_counter()
             for _ in range(steps):
-                step()
+                run()
             sides[b].steps.append((time.perf_counter() - t0) / steps)
-    return ModelResult(name, sides)
 
 
 # ----------------------------------------------------------------------------------------------
