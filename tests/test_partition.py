@@ -342,13 +342,13 @@ _LN_DECOMPOSED = torch._decomp.get_decompositions([
 ])
 
 
-@pytest.mark.parametrize("budget", [None, 0.5])
-def test_normalised_value_read_by_a_backward_matmul_is_saved_at_budget_one(budget):
+@pytest.mark.parametrize("budget,policy", [(None, None), (0.5, None), (None, "save_nothing")])
+def test_normalised_value_read_by_a_backward_matmul_is_saved_at_budget_one(budget, policy):
     # LayerNorm decomposed as Inductor sees it (var_mean, a large reduction): its output feeds the
     # next linear, whose weight gradient reads it again. At budget 1 it is saved (recomputing it
-    # would cost the backward one more kernel); a lower budget may recompute it; GELU's output, a
-    # pointwise function of a saved matmul, is always recomputed.
-    pf = min_cut_rematerialization_partition if budget is None else mincut_partitioner(budget)
+    # would cost the backward one more kernel); a lower budget or a policy may recompute it; GELU's
+    # output, a pointwise function of a saved matmul, is always recomputed.
+    pf = mincut_partitioner(budget, policy=policy)
     make = _ln_mlp_make()
     g = Graphs()
     compiled = aot_function(_ln_mlp, g, nop, partition_fn=pf, decompositions=_LN_DECOMPOSED)
@@ -363,7 +363,7 @@ def test_normalised_value_read_by_a_backward_matmul_is_saved_at_budget_one(budge
 
     saved = g.saved_nodes(1)
     normalised = [n for n in saved if n.target is torch.ops.aten.mul.Tensor and from_var_mean(n)]
-    assert len(normalised) == (3 if budget is None else 0), [n.name for n in saved]
+    assert len(normalised) == (3 if budget is None and policy is None else 0), [n.name for n in saved]
     assert all(feeds_matmul(n) for n in normalised)
     assert "erf" in [name for name, _ in g.info.recomputed] and not any(
         n.target is torch.ops.aten.erf.default for n in saved
