@@ -354,6 +354,7 @@ def test_normalised_value_read_by_a_backward_matmul_is_saved_at_budget_one(budge
     compiled = aot_function(_ln_mlp, g, nop, partition_fn=pf, decompositions=_LN_DECOMPOSED)
     check_against_eager(_ln_mlp, make, compiled=compiled)
 
+    @functools.cache
     def from_var_mean(n):
         return any(getattr(a.target, "overloadpacket", None) is torch.ops.aten.var_mean or from_var_mean(a)
                    for a in n.all_input_nodes)

@@ -658,10 +658,9 @@ class _Joint:
             for u in todo.pop().users:
                 if u.op != "call_function":
                     continue
-                cls = op_class(u)
-                if cls == "view":
+                if op_class(u) == "view":
                     todo.append(u)
-                elif u in self.backward and cls in ("matmul", "conv", "attention"):
+                elif u in self.backward and is_matmul_like(u):
                     return True
         return False
 
