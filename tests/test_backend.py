@@ -238,6 +238,27 @@ def test_graph_breaks():
             torch.testing.assert_close(g, e)
 
 
+def _uses_tensor_constants(x):
+    window = torch.tensor(3)  # a constant the program builds (Mistral's sliding window, T5's buckets)
+    scale = torch.tensor([2.0, 0.5])
+    scale.mul_(2)  # and mutates: its own copy, not the module attribute
+    return x * window, (x.sum() > window), x[:, :2] * scale
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_tensor_constants_built_by_the_program_compile_with_inductor(grad):
+    x = torch.randn(4, 3, requires_grad=grad)
+    f = torch.compile(_uses_tensor_constants, backend="aotgrad")
+    for _ in range(2):  # the second call sees the constants unchanged by the first
+        out, exp = f(x), _uses_tensor_constants(x)
+        for o, e in zip(out, exp):
+            torch.testing.assert_close(o, e)
+    if grad:
+        (g,) = torch.autograd.grad(out[0].sum() + out[2].sum(), x)
+        (e,) = torch.autograd.grad(exp[0].sum() + exp[2].sum(), x)
+        torch.testing.assert_close(g, e)
+
+
 @pytest.mark.parametrize("ctx", ["no_grad", "inference_mode"])
 def test_inference(ctx):
     counting = Counting()

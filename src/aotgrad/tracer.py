@@ -138,6 +138,11 @@ class LeanTracer(TorchDispatchMode):
                 return out
         if func in _METADATA_OPS:
             return func(*args, **kwargs)
+        if func is torch.ops.aten.lift_fresh.default:
+            # `torch.tensor(8)` in the program: the constant stays a module attribute and the program
+            # gets its own copy (make_fx's rule). A graph that returned the attribute itself would hand
+            # the compiler a constant as an output, which Inductor cannot lower.
+            func = torch.ops.aten.lift_fresh_copy.default
         out = func(*args, **kwargs)
         return self.record(func, args, kwargs, out)
 
