@@ -151,6 +151,71 @@ def test_dynamic_batch_size_one_aot_compile():
     assert any(isinstance(s, torch.SymInt) for shape in counting.graphs[0][1] for s in shape)
 
 
+class SequenceNet(nn.Module):
+    """Batch and sequence length both vary; float attributes Dynamo passes as 0-d tensors under
+    `dynamic=True` (an RMSNorm's eps, a scale), as in Llama-style models."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 16)
+        self.fc2 = nn.Linear(16, d)
+        self.eps = 1e-5
+        self.scale = 0.5
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
+        return self.fc2(F.gelu(h)).softmax(1)
+
+
+@pytest.mark.parametrize("compile_twice", [False, True])
+def test_dynamic_batch_and_length_inductor_one_compile(compile_twice):
+    # The backward is compiled with the forward: a size it specialised would otherwise go unguarded.
+    # Compiling twice in one process hits Inductor's graph cache, whose guards read the backward's
+    # symbolic-int inputs (each symbol in a saved tensor's shape must arrive as one).
+    torch.manual_seed(0)
+    ref = SequenceNet()
+    for _ in range(2 if compile_twice else 1):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        mod = copy.deepcopy(ref)
+        f = torch.compile(mod, backend="aotgrad", dynamic=True)
+        for shape in ((2, 16, 8), (3, 12, 8), (4, 20, 8)):
+            x = torch.randn(shape)
+            out, exp = f(x), ref(x)
+            torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-6)
+            (out * x[..., :1]).sum().backward()
+            (exp * x[..., :1]).sum().backward()
+            for p, q in zip(mod.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+                p.grad = q.grad = None
+        assert torch._dynamo.utils.counters["frames"]["ok"] == 1
+
+
+def test_symbolic_backward_is_compiled_with_the_forward_and_takes_each_symbol_as_an_int():
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return gm.forward
+
+        return compiler
+
+    f = torch.compile(SequenceNet(), backend=aotgrad.backend(fw_compiler=keep("fw"), bw_compiler=keep("bw")),
+                      dynamic=True)
+    out = f(torch.randn(2, 16, 8))
+    # Compiled with the forward, before any .backward(): guards its compiler adds join Dynamo's.
+    assert "bw" in graphs
+    out.sum().backward()
+    values = [n.meta["val"] for n in graphs["bw"].graph.nodes if n.op == "placeholder"]
+    in_tensors = set().union(*(free_symbols(v) for v in values if isinstance(v, torch.Tensor)))
+    as_ints = {v.node.expr for v in values if isinstance(v, torch.SymInt)}
+    assert len(in_tensors) == 2 and in_tensors <= as_ints
+
+
 def test_mark_dynamic():
     counting = Counting()
     torch.manual_seed(0)

@@ -451,6 +451,7 @@ class _InductorCompilers:
 
     def partition(self, partition_fn: Callable) -> Callable:
         def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+            _tensorify_scalars(joint_module)
             if config.inductor_graph_passes:
                 from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
@@ -470,6 +471,7 @@ class _InductorCompilers:
 
     def inference(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
         example = _placeholder_values(gm)
+        _tensorify_scalars(gm)
         if config.inductor_graph_passes:
             from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
@@ -521,23 +523,54 @@ class _InductorCompilers:
                     is_backward=is_backward,
                 )
             if not is_inference and not is_backward and strides is not None:
-                gm.meta[_OUT_STRIDES] = list(strides)
+                # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
+                gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
         return compiled
 
 
+def _tensorify_scalars(gm: torch.fx.GraphModule) -> None:
+    """Turn arithmetic on floats that Dynamo made dynamic back into tensor arithmetic.
+
+    Dynamo passes such a float (a module's `eps`, `norm_type`...) as a 0-d tensor and calls `.item()`
+    on it; Inductor cannot lower an `.item()` whose answer the shape environment already knows.
+    torch.fx's pass rewrites those uses into tensor ops, or asks Dynamo to restart with the float
+    specialised (an exception that reaches Dynamo unchanged)."""
+    from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
+
+    fake_mode = _mode_of(_placeholder_values(gm))
+    if fake_mode is None or fake_mode.shape_env is None:
+        return
+    if any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes):
+        tensorify_python_scalars(gm, fake_mode.shape_env, fake_mode)
+
+
 def _restride_saved(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
-    """Give the backward's saved-value placeholders the strides Inductor chose for them."""
+    """Give the backward's saved-value placeholders the strides Inductor chose for them.
+
+    A symbolic stride is compared by its size hint, never with `==` on the symbol: that would add a
+    guard pinning the size (a recompile for every new length). Where the hint differs, the
+    stride expression Inductor recorded becomes the new symbolic stride."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols, optimization_hint
+
     strides = fw.meta.get(_OUT_STRIDES)
     n_fwd = fw.meta.get(_NUM_FWD)
     if not strides or n_fwd is None:
         return
-    saved_strides = strides[n_fwd:]
     placeholders = [p for p in bw.graph.nodes if p.op == "placeholder"]
-    for p, stride in zip(placeholders, saved_strides):
+    for p, (stride, expressions) in zip(placeholders, strides[n_fwd:]):
         val = p.meta.get("val")
-        if stride is None or not isinstance(val, torch.Tensor) or tuple(val.stride()) == tuple(stride):
+        if stride is None or not isinstance(val, torch.Tensor):
             continue
         fake_mode = getattr(val, "fake_mode", None)
+        if free_symbols(val):
+            if [optimization_hint(s, fallback=-1) for s in val.stride()] == [int(s) for s in stride]:
+                continue
+            shape_env = getattr(fake_mode, "shape_env", None)
+            if shape_env is None or not all(isinstance(e, str) for e in expressions):
+                continue
+            stride = tuple(shape_env.deserialize_symexpr(e) for e in expressions)
+        elif tuple(val.stride()) == tuple(stride):
+            continue
         ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
         with ctx:
             p.meta["val"] = torch.empty_strided(val.shape, tuple(stride), dtype=val.dtype, device=val.device)

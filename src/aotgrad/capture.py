@@ -204,9 +204,23 @@ def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mod
     except Exception:  # symbolic shapes, other higher-order ops...: make_fx knows them all
         pass
     with fake_mode:
-        return make_fx(traced, decomposition_table=decompositions, _disable_torch_fn_metadata_mode=True)(
+        gm = make_fx(traced, decomposition_table=decompositions, _disable_torch_fn_metadata_mode=True)(
             list(fake_primals)
         )
+    _keep_item_memos(gm, fake_primals)
+    return gm
+
+
+def _keep_item_memos(gm: torch.fx.GraphModule, fake_primals: list) -> None:
+    """make_fx stores a detached copy of each input as its placeholder's value, which forgets the
+    symbol `.item()` of a 0-d input answers (Dynamo passes a float it made dynamic as such a tensor).
+    The compiler re-runs the graph on those values (Inductor's fake propagation), so copy it over."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, primal in zip(placeholders, fake_primals):
+        memo = getattr(primal, "item_memo", None)
+        val = node.meta.get("val")
+        if memo is not None and isinstance(val, FakeTensor) and val is not primal:
+            val.item_memo = memo
 
 
 

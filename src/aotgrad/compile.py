@@ -2,6 +2,8 @@
 
 The forward (or inference) graph is compiled now; the backward graph on the first `.backward()`,
 because many compiled functions never run one and backward compilation can be as slow as forward.
+A backward with symbolic sizes is compiled now too: its compiler may specialise a size, and that
+guard must exist before the caller caches the compiled function.
 Before a graph goes to its compiler, functionalized custom-op calls are put back in place where
 that is safe (reinplace.py), unless the compiler does that itself.
 """
@@ -88,7 +90,7 @@ def compile_training(
     if keep_input_mutations:
         in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
     forward = boxed(fw_compiler(fw_module, list(example_primals)))
-    return CompiledForward(
+    compiled = CompiledForward(
         forward,
         fw_module,
         plan.num_fw_outputs,
@@ -98,6 +100,22 @@ def compile_training(
         bw_module=bw_module,
         bw_compiler=bw_compiler,
     )
+    example_cotangents = _symbolic_placeholder_values(bw_module)
+    if example_cotangents is not None:
+        # A compiler may specialise a symbolic size (add a guard on it). Guards are only checked if
+        # they exist when the caller's cache entry is made (Dynamo's, or ours), so compile it now.
+        compiled.backward(example_cotangents)
+    return compiled
+
+
+def _symbolic_placeholder_values(gm: torch.fx.GraphModule) -> list | None:
+    """The placeholders' (fake) values when any size, stride or input is symbolic, else None."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat))):
+        return values
+    return None
 
 
 def _writable_inputs(plan: Plan, gm: torch.fx.GraphModule) -> list[int]:

@@ -104,7 +104,8 @@ def side_effects(graph: Graph, tangent_dependent: set[Node]) -> tuple[list[Node]
 
 def build_partition(graph, primals, tangents, fw_outs, bw_outs, saved, bw_effects, fw_effects=()):
     """Forward/backward modules from a choice of saved values (shared by all partitioners)."""
-    saved = _order_saved(graph, _items_not_tuples(saved, list(bw_outs) + list(bw_effects), tangents))
+    saved = _items_not_tuples(saved, list(bw_outs) + list(bw_effects), tangents)
+    saved = _order_saved(graph, saved + symbol_bindings(graph, saved, tangents))
     fw_module = extract_graph(graph, primals, list(fw_outs) + saved, fw_effects)
     bw_module = extract_graph(graph, saved + tangents, list(bw_outs), bw_effects)
     return fw_module, bw_module
@@ -121,6 +122,44 @@ def _items_not_tuples(saved: list[Node], bw_roots: list, tangents: list[Node]) -
     for n in multi:
         out += [u for u in n.users if u.target is operator.getitem and u in reads]
     return out
+
+
+def symbol_bindings(graph: Graph, saved: list[Node], tangents: list[Node]) -> list[Node]:
+    """Forward nodes whose value is exactly a symbol that the backward's inputs have in their sizes,
+    one per symbol, for the forward to save as a plain symbolic int.
+
+    Graph compilers read a graph's symbols off its symbolic-int inputs (Inductor checks its cache's
+    guards on them alone), so every symbol in a saved tensor's or a tangent's shape must arrive as
+    one. A symbol no forward node yields as such gets a `sym_size`/`sym_stride` node on a primal."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    wanted = set()
+    for n in list(saved) + list(tangents):
+        val = n.meta.get("val")
+        if isinstance(val, (torch.Tensor, torch.SymInt)):
+            wanted |= free_symbols(val)
+    if not wanted:
+        return []
+    backward_only = _descendants(tangents)
+    forward = [n for n in graph.nodes if n not in backward_only]
+    found: dict = {}
+    for n in forward:
+        val = n.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr in wanted:
+            found.setdefault(val.node.expr, n)
+    for n in forward:
+        val = n.meta.get("val")
+        if len(found) == len(wanted) or n.op != "placeholder" or not isinstance(val, torch.Tensor):
+            continue
+        for reader, values in ((torch.ops.aten.sym_size.int, val.shape), (torch.ops.aten.sym_stride.int, val.stride())):
+            for dim, v in enumerate(values):
+                if isinstance(v, torch.SymInt) and v.node.expr in wanted and v.node.expr not in found:
+                    with graph.inserting_after(n):
+                        node = graph.call_function(reader, (n, dim))
+                    node.meta["val"] = v
+                    found[v.node.expr] = node
+    saved_set = set(saved)
+    return [n for n in found.values() if n not in saved_set]
 
 
 def _order_saved(graph: Graph, saved: list[Node]) -> list[Node]:

@@ -139,6 +139,7 @@ from .partition import (
     extract_graph,
     reads_of_mutated_in_graph,
     side_effects,
+    symbol_bindings,
 )
 
 __all__ = [
@@ -736,7 +737,8 @@ class _Joint:
         return saved
 
     def saved_bytes(self, saved: Sequence[Node]) -> int:
-        return sum(self.bytes[n] for n in saved)
+        # Symbol bindings (partition.symbol_bindings) join after the cut, outside the region.
+        return sum(self.bytes[n] if n in self.bytes else tensor_nbytes(_val(n)) for n in saved)
 
     def forceable(self, n: Node) -> bool:
         """May `n` be kept from recomputation (saved instead) by a fix-up move? Any value the cut
@@ -1036,7 +1038,7 @@ def min_cut_rematerialization_partition(
     resolved = _resolve_policy(policy)
     j = _Joint(joint_module, num_fwd_outputs, resolved)
     j, saved, extra = _choose(j, None if memory_budget is None else float(memory_budget))
-    saved = _order_saved(j.graph, saved)
+    saved = _order_saved(j.graph, list(saved) + symbol_bindings(j.graph, saved, j.tangents))
     fw_module = extract_graph(j.graph, j.primals, list(j.fw_outs) + saved, j.fw_effects)
     bw_module = extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects)
     info = PartitionInfo(
