@@ -216,6 +216,34 @@ def test_symbolic_backward_is_compiled_with_the_forward_and_takes_each_symbol_as
     assert len(in_tensors) == 2 and in_tensors <= as_ints
 
 
+def _size_across_a_graph_break(x):
+    n = x.shape[0] * 2  # the first graph returns this symbolic int to the resumed frame
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return y * n, (x.cos() + 1).view(x.shape[0], 2, -1), float("inf")
+
+
+def test_symbolic_sizes_in_outputs_are_read_off_the_inputs_per_call():
+    # A returned symbolic int and a view of an intermediate with symbolic view arguments: the run
+    # time computes both from the inputs' sizes, so one compile serves every batch size.
+    counting = Counting()
+    f = torch.compile(_size_across_a_graph_break, backend=counting.backend)
+    for b in (4, 6, 8):
+        x = torch.randn(b, 4, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        out, exp = f(x), _size_across_a_graph_break(x)
+        torch.testing.assert_close(out[0], exp[0])
+        torch.testing.assert_close(out[1], exp[1])
+        assert out[2] == exp[2]
+        assert out[1]._base is not None and out[1].requires_grad
+        (g,) = torch.autograd.grad(out[0].sum() + out[1].sum(), x)
+        (e,) = torch.autograd.grad(exp[0].sum() + exp[1].sum(), x)
+        torch.testing.assert_close(g, e)
+    # Graph 1 once; the resumed frame twice (Dynamo makes its inputs dynamic on the second call).
+    # Compiled per concrete shape, it was 8.
+    assert counting.count("forward") == 3
+
+
 def test_mark_dynamic():
     counting = Counting()
     torch.manual_seed(0)

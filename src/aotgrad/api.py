@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from .compile import compile_inference, compile_training
 from .errors import UnsupportedMutationError, UnsupportedOutputError
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
-from .plan import GraphOutput, UserOutput
+from .plan import GraphOutput, UserOutput, symbols_in
 from .runtime import build_runner
 
 
@@ -66,8 +66,12 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
         )
     else:
         compiled = compile_inference(captured, config.inference_compiler, primals)
-    run = build_runner(captured.plan, compiled)
-    run.plan = captured.plan
+    plan = captured.plan
+    symbols = symbols_in(plan)
+    if symbols:  # dynamic sizes in view arguments or restrides: read them off the inputs per call
+        plan = replace(plan, symbol_sources=inputs_stage.symbol_sources(leaves, symbols))
+    run = build_runner(plan, compiled)
+    run.plan = plan
     run.compiled = compiled
     return run
 

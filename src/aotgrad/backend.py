@@ -50,7 +50,6 @@ import logging
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
@@ -71,6 +70,7 @@ from .errors import AotgradError
 from .inputs import alias_key, is_wrapper, storage_id
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
+from .plan import symbols_in
 
 __all__ = [
     "BackendCompileError",
@@ -245,7 +245,7 @@ class AotgradBackend:
                     log.debug("aotgrad backend: symbolic compile failed (%s: %s); compiling per shape",
                               type(e).__name__, e)
                     run = None
-                if run is not None and _plan_has_symbols(run.plan):
+                if run is not None and _plan_needs_concrete_sizes(run.plan):
                     log.debug("aotgrad backend: the run-time plan needs concrete sizes; compiling per shape")
                     run = None
                 if run is not None and anchored:
@@ -728,22 +728,11 @@ def _sizes_determined(leaves: list) -> bool:
     return need <= known
 
 
-def _plan_has_symbols(obj: Any, _depth: int = 0) -> bool:
-    """Would the generated run time bake a symbolic value in (view args, restrides, ...)?"""
-    if _depth > 12:
-        return False
-    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return not obj.node.is_constant() if hasattr(obj.node, "is_constant") else True
-    if isinstance(obj, torch.Tensor) or isinstance(obj, (str, bytes, int, float, bool, type(None))):
-        return False
-    if isinstance(obj, (list, tuple)):
-        return any(_plan_has_symbols(v, _depth + 1) for v in obj)
-    if isinstance(obj, dict):
-        return any(_plan_has_symbols(v, _depth + 1) for v in obj.values())
-    if is_dataclass(obj) and not isinstance(obj, type):
-        skip = {"constants", "spec", "out_spec"}
-        return any(_plan_has_symbols(getattr(obj, f.name), _depth + 1) for f in fields(obj) if f.name not in skip)
-    return False
+def _plan_needs_concrete_sizes(plan) -> bool:
+    """Would the generated run time bake in a symbolic value (a view argument, a restride) that it
+    cannot read off the inputs per call (`Plan.symbol_sources`)?"""
+    bound = {s.name for s in plan.symbol_sources}
+    return any(str(s) not in bound for s in symbols_in(plan))
 
 
 def _takes(fn: Callable, name: str) -> bool:

@@ -655,8 +655,8 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
     """The source of one output, ("plain", o) for a graph output, or None for a view of an
     intermediate (decided later)."""
     if not isinstance(o, torch.Tensor):
-        if isinstance(o, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise UnsupportedOutputError(f"aotgrad: {name} is a symbolic number; return a tensor.")
+        # A symbolic number (a size Dynamo returns across a graph break) is a Constant too: the run
+        # time computes it from the symbols it reads off the inputs (Plan.symbol_sources).
         return Constant(o)
     if not isinstance(o, FunctionalTensor):
         return ("plain", o)

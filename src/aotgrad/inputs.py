@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import UnsupportedAliasingError, UnsupportedInputError
-from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, ViewOfPrimal
+from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
 
 _HASHABLE_CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format)
 
@@ -248,3 +248,27 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
     guard = scope["guard"]
     guard.__aotgrad_source__ = src
     return guard
+
+
+def symbol_sources(leaves: Sequence[Any], symbols: set) -> tuple[SymbolSource, ...]:
+    """For each symbol, a place in the (fake, symbolic) leaves the run time can read it from: an int
+    argument that is the symbol, else a tensor size, stride or storage offset that is. Symbols found
+    nowhere are left out (the caller then compiles per concrete shape)."""
+    found: dict = {}
+
+    def offer(symbolic: Any, leaf: int, accessor: str) -> None:
+        if isinstance(symbolic, torch.SymInt):
+            expr = symbolic.node.expr
+            if expr in symbols and expr not in found:
+                found[expr] = SymbolSource(str(expr), leaf, accessor)
+
+    for i, x in enumerate(leaves):
+        offer(x, i, "")
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            for d, v in enumerate(x.shape):
+                offer(v, i, f".shape[{d}]")
+            for d, v in enumerate(x.stride()):
+                offer(v, i, f".stride({d})")
+            offer(x.storage_offset(), i, ".storage_offset()")
+    return tuple(found.values())

@@ -8,7 +8,7 @@ tensors, so a plan can be printed, compared and cached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -323,6 +323,16 @@ class FwOutput:
 
 
 @dataclass(frozen=True)
+class SymbolSource:
+    """Where the run time reads symbol `name` (a dynamic size baked into view arguments or restrides):
+    `l{leaf}{accessor}`, e.g. `l3.shape[1]`, or the int argument `l5` itself (accessor "")."""
+
+    name: str
+    leaf: int
+    accessor: str
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything the run time needs to know about one compiled signature.
 
@@ -339,10 +349,29 @@ class Plan:
     prologue: tuple[SetRequiresGrad, ...]
     epilogue: tuple[EpilogueAction, ...]
     is_training: bool
+    symbol_sources: tuple[SymbolSource, ...] = ()
 
     @property
     def num_fw_outputs(self) -> int:
         return len(self.fw_outputs)
+
+
+def symbols_in(obj: Any, _depth: int = 0) -> set:
+    """The sympy symbols of every symbolic value in `obj` (a plan, or any part of one)."""
+    if _depth > 12:
+        return set()
+    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return set(obj.node.expr.free_symbols)
+    if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))):
+        return set()
+    if isinstance(obj, (list, tuple)):
+        return set().union(*(symbols_in(v, _depth + 1) for v in obj))
+    if isinstance(obj, dict):
+        return set().union(*(symbols_in(v, _depth + 1) for v in obj.values()))
+    if is_dataclass(obj) and not isinstance(obj, type):
+        skip = {"constants", "spec", "out_spec"}
+        return set().union(*(symbols_in(getattr(obj, f.name), _depth + 1) for f in fields(obj) if f.name not in skip))
+    return set()
 
 
 @dataclass

@@ -20,6 +20,7 @@ No loop over metadata runs per call: every decision was taken when the source wa
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.printers import PythonPrinter
 
 from .compile import CompiledForward
 from .inputs import storage_base
@@ -54,18 +56,42 @@ from .plan import (
     ViewChain,
 )
 
+_PRINTER = PythonPrinter()
+
 
 class _Source:
     """A tiny code writer: lines plus the globals they refer to."""
 
-    def __init__(self):
+    def __init__(self, symbols: dict[str, str] | None = None):
         self.lines: list[str] = []
         self.globals: dict[str, Any] = {"_no_grad": torch.no_grad, "torch": torch}
+        self.symbols = symbols or {}  # symbol name -> source expression reading it off the leaves
+        self.symbols_used: set[str] = set()
 
     def bind(self, prefix: str, value: Any) -> str:
         name = f"_{prefix}{len(self.globals)}"
         self.globals[name] = value
         return name
+
+    def literal(self, value: Any) -> str:
+        """Source for a view argument or size: numbers and lists inline, a symbolic size as its
+        expression over symbols read per call (see `symbol_lines`), anything else a bound global."""
+        if isinstance(value, (bool, int, type(None))) or (isinstance(value, float) and math.isfinite(value)):
+            return repr(value)
+        if isinstance(value, (list, tuple)):
+            items = [self.literal(v) for v in value]
+            if isinstance(value, tuple):
+                return "(" + "".join(f"{v}, " for v in items) + ")"
+            return "[" + ", ".join(items) + "]"
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            names = {str(s) for s in value.node.expr.free_symbols}
+            if names <= self.symbols.keys():
+                self.symbols_used |= names
+                return f"({_PRINTER.doprint(value.node.expr)})"
+        return self.bind("a", value)
+
+    def symbol_lines(self) -> list[str]:
+        return [f"{name} = {self.symbols[name]}" for name in sorted(self.symbols_used)]
 
     def emit(self, line: str, indent: int = 1) -> None:
         self.lines.append("    " * indent + line)
@@ -151,7 +177,7 @@ def _contiguous(g: torch.Tensor) -> torch.Tensor:
 
 def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]:
     """Write and compile `run(leaves)` for one plan (see module docstring)."""
-    src = _Source()
+    src = _Source({s.name: f"l{s.leaf}{s.accessor}" for s in plan.symbol_sources})
     layout = plan.layout
     src.emit(f"{_tuple_src([f'l{i}' for i in range(layout.num_leaves)])} = leaves")
     for k, s in enumerate(layout.primal_sources):
@@ -184,6 +210,7 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
     _emit_epilogue(src, plan, compiled.written_in_place)
     names = _emit_outputs(src, plan)
     src.emit(f"return {_structure(src, plan.out_spec, names[: plan.out_spec.num_leaves])}")
+    src.lines[1:1] = ["    " + line for line in src.symbol_lines()]
     return src.build("run", "def run(leaves):")
 
 
@@ -211,7 +238,8 @@ def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int]) -
             target = f"p{a.primal}" if isinstance(a, Restride) else f"l{a.leaf}"
             if not a.no_grad:  # refresh a view's grad_fn after the copy_ into its base, as eager's reads did
                 src.emit(f"{target}.grad_fn")
-            _emit(src, f"{target}.as_strided_({a.size}, {a.stride}, {a.offset})", a.no_grad)
+            size, stride, offset = (src.literal(v) for v in (a.size, a.stride, a.offset))
+            _emit(src, f"{target}.as_strided_({size}, {stride}, {offset})", a.no_grad)
         elif isinstance(a, CopyInto):
             _emit(src, f"p{a.primal}.copy_(r{a.value})", not a.grad)
         elif isinstance(a, SetToOutput):
@@ -254,7 +282,7 @@ def _emit_output(src: _Source, i: int, s, names: dict[int, str]) -> str:
     if isinstance(s, GraphOutput):
         return f"r{s.index}"
     if isinstance(s, Constant):
-        return src.bind("const", s.value) if not isinstance(s.value, (int, float, bool, type(None))) else repr(s.value)
+        return src.literal(s.value)
     if isinstance(s, InputItself):
         return f"l{s.leaf}"
     if isinstance(s, SameAs):
@@ -274,7 +302,7 @@ def _emit_output(src: _Source, i: int, s, names: dict[int, str]) -> str:
 def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
     exprs = []
     if chain.as_strided is not None:
-        size, stride, offset = chain.as_strided
+        size, stride, offset = (src.literal(v) for v in chain.as_strided)
         exprs.append(lambda x: f"{x}.as_strided({size}, {stride}, {offset})")
     for step in chain.steps:
         exprs.append(_step_expr(src, step))
@@ -299,8 +327,8 @@ def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
 
 def _step_expr(src: _Source, step) -> Callable[[str], str]:
     op = src.bind("op", step.op)
-    args = "".join(f", {src.bind('a', a)}" for a in step.args)
-    kwargs = "".join(f", {k}={src.bind('a', v)}" for k, v in step.kwargs)
+    args = "".join(f", {src.literal(a)}" for a in step.args)
+    kwargs = "".join(f", {k}={src.literal(v)}" for k, v in step.kwargs)
     item = f"[{step.item}]" if step.item is not None else ""
     return lambda x: f"{op}({x}{args}{kwargs}){item}"
 
