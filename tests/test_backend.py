@@ -192,6 +192,19 @@ def test_dynamic_batch_and_length_inductor_one_compile(compile_twice):
         assert torch._dynamo.utils.counters["frames"]["ok"] == 1
 
 
+@pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
+def test_per_shape_compile_has_dynamo_specialise_its_dynamic_floats(backend):
+    # Compiled per concrete shape (here forced), the graph is traced on the real inputs, where
+    # `.item()` of a float Dynamo made dynamic has no symbol: Dynamo restarts with it baked in.
+    torch.manual_seed(0)
+    ref = SequenceNet()
+    with aotgrad.config.patch(symbolic_shapes=False):
+        f = torch.compile(copy.deepcopy(ref), backend=backend, dynamic=True)
+        for shape in ((2, 16, 8), (3, 12, 8)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(f(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
 def test_symbolic_backward_is_compiled_with_the_forward_and_takes_each_symbol_as_an_int():
     from torch.fx.experimental.symbolic_shapes import free_symbols
 

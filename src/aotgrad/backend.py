@@ -255,6 +255,7 @@ class AotgradBackend:
         if run is None:
             # Concrete shapes: compiled per signature through aotgrad's own cache and guards. The
             # current shapes are compiled now, so errors surface here, not at the first call.
+            _specialise_dynamic_floats(gm)
             per_shape = _PerShape(fn, self._aot_config(False))
             per_shape.prepare(list(state) + _concrete(example_inputs))
             run = per_shape
@@ -542,6 +543,27 @@ def _tensorify_scalars(gm: torch.fx.GraphModule) -> None:
         return
     if any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes):
         tensorify_python_scalars(gm, fake_mode.shape_env, fake_mode)
+
+
+def _specialise_dynamic_floats(gm: torch.fx.GraphModule) -> None:
+    """A graph compiled per concrete shape is traced on the real inputs, where `.item()` of a float
+    Dynamo made dynamic (passed as a 0-d tensor) has no symbol to answer with: ask Dynamo to restart
+    with those floats specialised (baked in and guarded), as tensorify_python_scalars does."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        memo = value.item_memo if isinstance(value, FakeTensor) else None
+        symbol = getattr(memo.node, "_expr", None) if isinstance(memo, torch.SymFloat) else None
+        if symbol is not None and hasattr(symbol, "name"):  # unreplaced, as Dynamo looks it up
+            names.append(symbol.name)
+    if names:
+        for name in names:
+            TensorifyState.specialize(name)
+        raise TensorifyScalarRestartAnalysis
 
 
 def _restride_saved(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
