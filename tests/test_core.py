@@ -63,6 +63,14 @@ def test_pytree_inputs_and_outputs(rg):
 
 
 @RG
+def test_non_finite_float_outputs(rg):
+    # Constants are written into the generated run time: inf and nan have no Python literal.
+    cf = aot_function(lambda x: (x.sin(), float("inf"), -float("inf"), float("nan"), 0.5), nop)
+    out = cf(torch.randn(3, requires_grad=rg))
+    assert out[1:3] == (float("inf"), -float("inf")) and out[3] != out[3] and out[4] == 0.5
+
+
+@RG
 def test_int_float_bool_arguments_recompile(rg):
     def f(x, n, scale, flag):
         y = x * scale
