@@ -54,6 +54,7 @@ from .plan import (
     SetToOutput,
     SetToPrimal,
     ViewChain,
+    symbols_in,
 )
 
 _PRINTER = PythonPrinter()
@@ -74,11 +75,14 @@ class _Source:
         return name
 
     def literal(self, value: Any) -> str:
-        """Source for a view argument or size: numbers and lists inline, a symbolic size as its
-        expression over symbols read per call (see `symbol_lines`), anything else a bound global."""
+        """Source for a view argument or size: numbers inline, a symbolic size as its expression
+        over symbols read per call (see `symbol_lines`), a list holding one as a list literal, anything
+        else (a list of plain ints included) a global bound once."""
         if isinstance(value, (bool, int, type(None))) or (isinstance(value, float) and math.isfinite(value)):
             return repr(value)
         if isinstance(value, (list, tuple)):
+            if not symbols_in(value):  # bound once, not rebuilt per call
+                return self.bind("a", value)
             items = [self.literal(v) for v in value]
             if isinstance(value, tuple):
                 return "(" + "".join(f"{v}, " for v in items) + ")"
