@@ -172,9 +172,9 @@ class SequenceNet(nn.Module):
 
 @pytest.mark.parametrize("compile_twice", [False, True])
 def test_dynamic_batch_and_length_inductor_one_compile(compile_twice):
-    # The backward is compiled with the forward: a size it specialised would otherwise go unguarded.
-    # Compiling twice in one process hits Inductor's graph cache, whose guards read the backward's
-    # symbolic-int inputs (each symbol in a saved tensor's shape must arrive as one).
+    # Batch and length vary: one frame compile (a stride compared with `==` used to pin the length),
+    # grads equal eager. Compiling twice in one process runs the second through Inductor's warm graph
+    # cache (the backward's symbols as int inputs are checked by the test after this one).
     torch.manual_seed(0)
     ref = SequenceNet()
     for _ in range(2 if compile_twice else 1):

@@ -65,6 +65,7 @@ from .api import (
     _plan_depends_on_aliasing,
     compile_signature,
 )
+from .compile import placeholder_values
 from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
 from .inputs import alias_key, is_wrapper, storage_id
@@ -456,7 +457,7 @@ class _InductorCompilers:
             if config.inductor_graph_passes:
                 from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
-                with self._context(_placeholder_values(joint_module)):
+                with self._context(placeholder_values(joint_module)):
                     joint_module = _recursive_joint_graph_passes(joint_module)
             fw, bw = partition_fn(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             fw.meta[_NUM_FWD] = num_fwd_outputs
@@ -471,7 +472,7 @@ class _InductorCompilers:
         return self._compile(gm, visible=n, is_inference=False, is_backward=False)
 
     def inference(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        example = _placeholder_values(gm)
+        example = placeholder_values(gm)
         _tensorify_scalars(gm)
         if config.inductor_graph_passes:
             from torch._inductor.compile_fx import _recursive_joint_graph_passes
@@ -507,7 +508,7 @@ class _InductorCompilers:
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.utils import BoxedBool
 
-        example = _placeholder_values(gm)
+        example = placeholder_values(gm)
         out = gm.graph.output_node()
         outs = list(out.args[0])
         n = len(outs) if visible is None else visible
@@ -538,7 +539,7 @@ def _tensorify_scalars(gm: torch.fx.GraphModule) -> None:
     specialised (an exception that reaches Dynamo unchanged)."""
     from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
 
-    fake_mode = _mode_of(_placeholder_values(gm))
+    fake_mode = _mode_of(placeholder_values(gm))
     if fake_mode is None or fake_mode.shape_env is None:
         return
     if any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes):
@@ -612,15 +613,11 @@ def _mode_of(values: list):
     return None
 
 
-def _placeholder_values(gm: torch.fx.GraphModule) -> list:
-    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-
-
 def _fake_bw_inputs(compiler: Callable) -> Callable:
     """Backward compilers get fake example inputs (the placeholders' values), as with upstream."""
 
     def bw_compiler(gm, _example_inputs):
-        vals = _placeholder_values(gm)
+        vals = placeholder_values(gm)
         return compiler(gm, vals if all(v is not None for v in vals) else list(_example_inputs))
 
     return bw_compiler

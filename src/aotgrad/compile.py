@@ -108,11 +108,16 @@ def compile_training(
     return compiled
 
 
+def placeholder_values(gm: torch.fx.GraphModule) -> list:
+    """The (fake) value each graph input was traced with: what graph compilers get as examples."""
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def _symbolic_placeholder_values(gm: torch.fx.GraphModule) -> list | None:
     """The placeholders' (fake) values when any size, stride or input is symbolic, else None."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    values = placeholder_values(gm)
     if any(free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat))):
         return values
     return None
