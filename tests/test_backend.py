@@ -513,6 +513,78 @@ def test_custom_partition_fn_is_used():
     assert seen == [1]
 
 
+def _times_rand(x):
+    return torch.rand_like(x) * x.sin()
+
+
+def test_compile_options_reach_inductor():
+    """`torch.compile(options=...)` configures Inductor as with backend="inductor": with
+    fallback_random, compiled random numbers are eager's (they differ without it)."""
+    x = torch.randn(64, requires_grad=True)
+
+    def run(f):
+        torch.manual_seed(0)
+        out = f(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        return out, grad
+
+    expected = run(_times_rand)
+    assert not torch.allclose(run(torch.compile(_times_rand, backend="aotgrad"))[0], expected[0])
+    torch._dynamo.reset()
+    got = run(torch.compile(_times_rand, backend="aotgrad", options={"fallback_random": True}))
+    torch.testing.assert_close(got, expected)
+
+
+def test_compile_options_apply_to_every_inductor_compile_and_only_to_them(monkeypatch):
+    from torch._inductor import compile_fx
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    real = compile_fx.compile_fx_inner
+
+    def recording(gm, example_inputs, **kwargs):
+        seen.append((kwargs.get("is_backward"), kwargs.get("is_inference"), inductor_config.max_fusion_size))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
+    default = inductor_config.max_fusion_size
+    mod = TinyNet()
+    f = torch.compile(mod, backend="aotgrad", options={"max-fusion-size": default + 1})
+    x = torch.randn(2, 8)
+    out = f(x)
+    assert inductor_config.max_fusion_size == default  # restored once the backend returned
+    out.sum().backward()  # the backward compiles now, after the backend returned
+    with torch.no_grad():
+        f(x)
+    assert sorted(k[:2] for k in seen) == [(False, False), (False, True), (True, False)]
+    assert all(k[2] == default + 1 for k in seen), seen
+    assert inductor_config.max_fusion_size == default
+
+
+def test_compile_mode_and_options_are_checked():
+    assert backend_module.inductor_config_patches("max-autotune-no-cudagraphs", None)["max_autotune"] is True
+    assert backend_module.inductor_config_patches("default", {"epilogue_fusion": False}) == {"epilogue_fusion": False}
+    x = torch.randn(4)
+    for kwargs, words in [
+        ({"mode": "fastest"}, ["fastest"]),
+        ({"options": {"no_such_option": 1}}, ["no_such_option", "Inductor"]),
+        ({"options": {"max_fusion_size": "big"}}, ["max_fusion_size", "int"]),
+    ]:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(torch.sin, backend="aotgrad", **kwargs)(x)
+        assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_compile_options_with_custom_compilers_warn_that_they_are_ignored():
+    x = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(torch.sin, backend="aotgrad_eager", options={"max_fusion_size": 3})(x)
+    torch.testing.assert_close(out, torch.sin(x))
+    assert any("ignored" in str(w.message) for w in caught)
+
+
 # ----------------------------------------------------------------------------------------------
 # Registration
 

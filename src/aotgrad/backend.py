@@ -28,7 +28,8 @@ Inductor is driven directly, one graph at a time, without upstream's AOT layer:
 `torch._inductor.compile_fx.compile_fx_inner(graph, fake_inputs, ...)` for the forward, backward and
 inference graphs, with Inductor's decomposition table given to aotgrad's capture, Inductor's joint-graph
 passes run on aotgrad's joint graph before partitioning (and on inference graphs), and its pre-grad
-passes on Dynamo's graph. Inductor may pick different strides for the activations the forward saves;
+passes on Dynamo's graph, all under the Inductor config that `torch.compile(mode=..., options=...)` asked
+for. Inductor may pick different strides for the activations the forward saves;
 we read them back (`TracingContext.report_output_strides`) and give the backward graph's placeholders
 those strides before compiling it. Inputs mutated under `no_grad` (optimizer steps, BatchNorm stats)
 stay in the inference graph as `copy_`s (`keep_inference_input_mutations=True`), so Inductor updates them
@@ -42,6 +43,7 @@ warns and runs that graph eagerly instead.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -79,6 +81,7 @@ __all__ = [
     "aotgrad_eager",
     "backend",
     "inductor_compilers",
+    "inductor_config_patches",
 ]
 
 _graph_ids = itertools.count()
@@ -146,6 +149,7 @@ class AotgradBackend:
         self.decompositions = decompositions
         self.keep_inference_input_mutations = keep_inference_input_mutations
         self.use_inductor = use_inductor
+        self.inductor_patches: dict = {}  # Inductor config from torch.compile(mode=, options=)
         self.__name__ = "aotgrad" if use_inductor else "aotgrad_custom"
         if memory_budget is not None:
             if not 0.0 <= memory_budget <= 1.0:
@@ -162,8 +166,10 @@ class AotgradBackend:
     # -- Dynamo entry point --------------------------------------------------------------------
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
+        chosen = self._with_compile_options(example_inputs, **kwargs)
         try:
-            return on_roomy_stack(self._compile, gm, list(example_inputs))
+            with chosen._inductor_patches():
+                return on_roomy_stack(chosen._compile, gm, list(example_inputs))
         except Exception as e:
             if _must_propagate(e):
                 raise
@@ -174,6 +180,42 @@ class AotgradBackend:
             raise err from e
 
     # -- pieces ---------------------------------------------------------------------------------
+
+    def _with_compile_options(self, example_inputs: Sequence[Any], mode=None, options=None, **other) -> AotgradBackend:
+        """`torch.compile(mode=..., options=...)` reach a backend as keyword arguments. With Inductor
+        they become Inductor config patches for this graph's compiles (what backend="inductor" does
+        with them); custom compilers cannot use them, so they are ignored with a warning."""
+        if other:
+            warnings.warn(f"aotgrad backend: ignoring unknown keyword arguments {sorted(other)}.", stacklevel=3)
+        if (mode is None or mode == "default") and not options:
+            return self
+        if not self.use_inductor:
+            warnings.warn(
+                f"aotgrad backend {self.__name__}: torch.compile mode/options configure Inductor; this backend "
+                "uses custom compilers, so they are ignored.",
+                stacklevel=3,
+            )
+            return self
+        patches = inductor_config_patches(mode, options)
+        if patches.get("triton.cudagraphs") and any(
+            isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs
+        ):
+            warnings.warn(
+                "aotgrad backend: CUDA graphs (mode='reduce-overhead' / 'max-autotune', or "
+                "triton.cudagraphs) are not captured by aotgrad; compiling without them.",
+                stacklevel=3,
+            )
+        chosen = copy.copy(self)
+        chosen.inductor_patches = patches
+        return chosen
+
+    def _inductor_patches(self):
+        patches = self.inductor_patches
+        if not patches:
+            return contextlib.nullcontext()
+        from torch._inductor import config as inductor_config
+
+        return inductor_config.patch(patches)
 
     def _partition_fn(self) -> Callable:
         part = self.partition_fn or _default_partitioner()
@@ -189,10 +231,11 @@ class AotgradBackend:
     def _aot_config(self, symbolic: bool) -> AOTConfig:
         partition = self._partition_fn()
         if self.use_inductor:
-            compilers = inductor_compilers()
+            compilers = inductor_compilers(self.inductor_patches)
             fw, bw, inf = compilers.forward, compilers.backward, compilers.inference
             partition = compilers.partition(partition)
-            decomps = self.decompositions if self.decompositions is not None else _inductor_decompositions()
+            with self._inductor_patches():  # the table depends on a few Inductor options
+                decomps = self.decompositions if self.decompositions is not None else _inductor_decompositions()
         else:
             fw = self.fw_compiler or self.bw_compiler or self.inference_compiler
             bw = _fake_bw_inputs(self.bw_compiler or fw)
@@ -401,10 +444,42 @@ def _concrete(example_inputs: list) -> list:
     return out
 
 
-def inductor_compilers() -> _InductorCompilers:
+def inductor_compilers(patches: dict | None = None) -> _InductorCompilers:
     """Forward / backward / inference compilers (and a partition wrapper) that hand aotgrad's graphs
-    to Inductor's `compile_fx_inner`; one set per Dynamo graph."""
-    return _InductorCompilers()
+    to Inductor's `compile_fx_inner`, under the Inductor config `patches`; one set per Dynamo graph."""
+    return _InductorCompilers(patches or {})
+
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
+    """Inductor config for `torch.compile(mode=..., options=...)`, checked as backend="inductor"
+    checks it: a known mode, known option names, values of the option's type."""
+    from typing import get_origin
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+
+    patches: dict = {}
+    if mode is not None and mode != "default":
+        try:
+            patches.update(list_mode_options(mode))
+        except RuntimeError as e:
+            raise BackendCompileError(f"aotgrad backend: {e}") from None
+    known = inductor_config.get_config_copy()
+    for key, value in (options or {}).items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise BackendCompileError(
+                f"aotgrad backend: torch.compile option {key!r} is not an Inductor config option "
+                "(see torch._inductor.list_options())."
+            )
+        expected = inductor_config.get_type(name)
+        if get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+            raise BackendCompileError(
+                f"aotgrad backend: torch.compile option {key!r} takes a {expected.__name__}, got "
+                f"{type(value).__name__}."
+            )
+        patches[name] = value
+    return patches
 
 
 def _make_default_backends() -> tuple[AotgradBackend, AotgradBackend]:
@@ -445,9 +520,10 @@ class _InductorCompilers:
     placeholders, the TracingContext/fake mode Inductor reads, the boxed convention (Inductor's
     compiled graphs take one list), and forward output strides handed to the backward."""
 
-    def __init__(self):
+    def __init__(self, patches: dict):
         from torch._guards import TracingContext
 
+        self.patches = patches  # applied here too: the backward may compile after the backend returned
         self.graph_id = next(_graph_ids)
         self.context = TracingContext.try_get()  # Dynamo's; re-entered for the lazy backward
 
@@ -490,6 +566,7 @@ class _InductorCompilers:
     @contextlib.contextmanager
     def _context(self, example: list):
         from torch._guards import TracingContext, tracing
+        from torch._inductor import config as inductor_config
         from torch._inductor.virtualized import V
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
@@ -500,7 +577,8 @@ class _InductorCompilers:
         ctx = TracingContext.try_get() or self.context
         if ctx is None or ctx.fake_mode is not fake_mode:
             ctx = TracingContext(fake_mode)
-        with V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
+        patched = inductor_config.patch(self.patches) if self.patches else contextlib.nullcontext()
+        with patched, V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
             yield ctx
 
     def _compile(self, gm, *, visible, is_inference, is_backward) -> Callable:
