@@ -124,6 +124,17 @@ def test_backward_compiled_lazily():
     assert len(bw.graphs) == 1
 
 
+def test_double_backward_is_refused_not_silently_first_order():
+    """Eager records the gradient's history under create_graph=True; the compiled backward cannot,
+    so aotgrad refuses instead of returning a gradient whose second-order terms would be lost."""
+    x = torch.randn(5, requires_grad=True)
+    cf = aot_function(lambda x: x.sin().sum(), nop)
+    with pytest.raises(aotgrad.AotgradError, match="create_graph"):
+        torch.autograd.grad(cf(x), x, create_graph=True)
+    (g,) = torch.autograd.grad(cf(x), x)  # first order is fine
+    torch.testing.assert_close(g, x.cos())
+
+
 def test_graphs_are_functional():
     cell = GraphCell()
 

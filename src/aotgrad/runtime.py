@@ -26,12 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
 from .compile import CompiledForward
+from .errors import AotgradError
 from .inputs import storage_base
 from .plan import (
     AliasOfGraphOutput,
@@ -163,8 +163,25 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     return type(
         "CompiledFunction",
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(once_differentiable(backward))},
+        {"forward": staticmethod(forward), "backward": staticmethod(_first_order_only(backward))},
     )
+
+
+def _first_order_only(backward: Callable) -> Callable:
+    """The compiled backward graph is not differentiable. Under `create_graph=True` eager would
+    record its gradients' history; refuse rather than return gradients with none (a gradient
+    penalty built on them would silently lose its second-order term)."""
+
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise AotgradError(
+                "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled "
+                "function: its compiled backward graph is not differentiable. Run this function eagerly "
+                "where you need higher-order gradients, or call backward without create_graph."
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 def _non_view(t, primals):
