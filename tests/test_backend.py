@@ -513,6 +513,45 @@ def test_custom_partition_fn_is_used():
     assert seen == [1]
 
 
+def _assert_grads_match(mod, ref):
+    for p, q in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
+def test_compiled_autograd_compiles_the_whole_step(backend):
+    """`torch._dynamo.config.compiled_autograd`: Dynamo hands the backend the autograd graph, whose
+    saved tensors arrive as one list input; aotgrad's own trace of the forward's backward must not
+    be sent to compiled autograd."""
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    x = torch.randn(4, 8)
+    F.mse_loss(ref(x), torch.ones(4, 4)).backward()
+
+    def step(x):
+        loss = F.mse_loss(mod(x), torch.ones(4, 4))
+        loss.backward()
+        return loss
+
+    with torch._dynamo.config.patch(compiled_autograd=True):  # read when torch.compile wraps
+        torch.compile(step, backend=backend)(x)
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] == 1
+    _assert_grads_match(mod, ref)
+
+
+def test_compiled_autograd_context_over_an_aotgrad_forward():
+    torch.manual_seed(0)
+    ref = TinyNet()
+    mod = copy.deepcopy(ref)
+    x = torch.randn(4, 8)
+    ref(x).pow(2).sum().backward()
+    f = torch.compile(mod, backend="aotgrad_eager")
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aotgrad_eager")):
+        f(x).pow(2).sum().backward()
+    _assert_grads_match(mod, ref)
+
+
 def _times_rand(x):
     return torch.rand_like(x) * x.sin()
 

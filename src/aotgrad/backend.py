@@ -256,10 +256,12 @@ class AotgradBackend:
         )
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if any(isinstance(x, list) for x in example_inputs):
+            return _taking_lists(self._compile, gm, example_inputs)
         if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
             raise BackendCompileError(
-                "aotgrad backend: Dynamo passed nested (list/tuple/dict) graph inputs; only flat tensor, "
-                "SymInt and scalar inputs are supported."
+                "aotgrad backend: Dynamo passed nested (tuple/dict, or list of lists) graph inputs; only "
+                "flat tensor, SymInt and scalar inputs, and lists of them, are supported."
             )
         fakes = _fake_inputs(gm, example_inputs)
         if self.use_inductor and config.inductor_graph_passes:
@@ -431,6 +433,58 @@ class _AliasChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback()
         return self.fallback(leaves)
+
+
+def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Compile a graph that takes lists of tensors (compiled autograd hands its graph the saved
+    tensors as one list) as a graph over the flattened inputs, and flatten them per call. A list
+    marked `steal_arg` is emptied once flattened, so its tensors can be freed as the graph goes."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    items_of: dict = {}
+    flat_examples: list = []
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for node, example in zip(placeholders, example_inputs):
+        if isinstance(example, list):
+            items = [graph.placeholder(f"{node.name}_{i}") for i in range(len(example))]
+            for i, user in ((u.args[1], u) for u in node.users if _is_getitem_of(u, node)):
+                items[i].meta = dict(user.meta)
+            items_of[node] = env[node] = items
+            flat_examples += example
+        else:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+            flat_examples.append(example)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "call_function" and node.args and node.args[0] in items_of and _is_getitem_of(node, node.args[0]):
+            env[node] = items_of[node.args[0]][node.args[1]]
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    flat = compile_flat(torch.fx.GraphModule(gm, graph), flat_examples)
+
+    is_list = [isinstance(x, list) for x in example_inputs]
+    steal = [i for i, node in enumerate(placeholders) if is_list[i] and node.meta.get("steal_arg", False)]
+
+    def forward(*args):
+        leaves = []
+        for arg, listed in zip(args, is_list):
+            if listed:
+                leaves += arg
+            else:
+                leaves.append(arg)
+        for i in steal:
+            args[i].clear()
+        return flat(*leaves)
+
+    return _no_dynamo(forward)
+
+
+def _is_getitem_of(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    import operator
+
+    return node.target is operator.getitem and node.args[0] is source and isinstance(node.args[1], int)
 
 
 def _concrete(example_inputs: list) -> list:

@@ -18,6 +18,7 @@ are no-ops.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -812,6 +813,13 @@ _BACKWARD_LIMITS = (
 )
 
 
+def _without_compiled_autograd():
+    """With compiled autograd on (`torch._dynamo.config.compiled_autograd`, or its context manager),
+    autograd.grad would hand our traced backward to Dynamo instead of running it under our modes."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca._disable() if ca is not None and ca.compiled_autograd_enabled else contextlib.nullcontext()
+
+
 def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     """Add tangent placeholders for the differentiable forward values, then trace autograd.grad."""
     diff = [i for i, o in enumerate(fw.fw_outputs) if o.differentiable]
@@ -825,7 +833,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     metas = [analysis.meta_of(analysis.unwrap(b)) for b in bases]
     grads_wrt: Sequence = ()
     if diff and wrt:
-        with mode, _refuse_stale_saved_values():
+        with mode, _refuse_stale_saved_values(), _without_compiled_autograd():
             try:
                 grads_wrt = torch.autograd.grad(
                     [fw.fw_functional[i] for i in diff],
