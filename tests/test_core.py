@@ -135,6 +135,26 @@ def test_double_backward_is_refused_not_silently_first_order():
     torch.testing.assert_close(g, x.cos())
 
 
+def test_saved_tensor_hooks_see_the_run_time_tensors_not_the_trace():
+    """Hooks that offload activations (here: to numpy) run on what the compiled forward saves;
+    the trace, which runs under the hooks on the first call, must not hand them functional tensors."""
+    seen = []
+
+    def pack(t):
+        seen.append(type(t))
+        return t.detach().numpy().copy()
+
+    def f(x, w):
+        return (x @ w).tanh().sum()
+
+    x, w = torch.randn(3, 4), torch.randn(4, 5, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, torch.from_numpy):
+        (g,) = torch.autograd.grad(aot_function(f, nop)(x, w), w)
+        (expected,) = torch.autograd.grad(f(x, w), w)
+    torch.testing.assert_close(g, expected)
+    assert seen and all(t in (torch.Tensor, nn.Parameter) for t in seen), seen
+
+
 def test_graphs_are_functional():
     cell = GraphCell()
 

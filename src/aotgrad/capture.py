@@ -144,6 +144,9 @@ def capture(
 
     view_replay = torch._C._is_view_replay_enabled()
     torch._C._set_view_replay_enabled(True)
+    # The caller's saved-tensor hooks (offloading, quantizing activations) are for the tensors the
+    # compiled forward saves at run time, not for the trace's functional tensors.
+    hooks_deferred = torch._C._autograd._saved_tensors_hooks_set_tracing(True)
     try:
         # Dispatch modes the caller has active (a FLOP counter, a logging mode) would see, and
         # interleave with, the trace's own modes; they see the compiled code's ops at run time.
@@ -181,6 +184,7 @@ def capture(
         raise
     finally:
         torch._C._set_view_replay_enabled(view_replay)
+        torch._C._autograd._saved_tensors_hooks_set_tracing(hooks_deferred)
     _finish_graph(gm, state["in_graph_mutated"])
     return Captured(gm, state["plan"], num_tangents=state["num_tangents"])
 
