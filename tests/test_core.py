@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -153,6 +154,21 @@ def test_saved_tensor_hooks_see_the_run_time_tensors_not_the_trace():
         (expected,) = torch.autograd.grad(f(x, w), w)
     torch.testing.assert_close(g, expected)
     assert seen and all(t in (torch.Tensor, nn.Parameter) for t in seen), seen
+
+
+def test_anomaly_mode_traces_and_still_catches_nan_gradients_at_run_time():
+    def f(x):
+        return ((x * 0).log() * 0).sum()  # log's backward: 0 / 0 = nan
+
+    cf = aot_function(f, nop)
+    x = torch.ones(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+        with torch.autograd.detect_anomaly():
+            torch.testing.assert_close(cf(x), f(x), equal_nan=True)  # compiles: the trace has no values to check
+            for fn in (f, cf):
+                with pytest.raises(RuntimeError, match="returned nan values"):
+                    fn(x).backward()
 
 
 def test_graphs_are_functional():

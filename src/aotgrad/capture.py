@@ -152,7 +152,11 @@ def capture(
         # interleave with, the trace's own modes; they see the compiled code's ops at run time.
         # torch's fake-tensor dispatch cache can hand back a stale storage offset (seen for
         # aten.copy of an input at a non-zero offset, after another program): the trace reads offsets.
-        with torch.utils._python_dispatch._disable_current_modes(), _no_fake_cache(fake_mode, fake_primals):
+        with (
+            torch.utils._python_dispatch._disable_current_modes(),
+            _no_fake_cache(fake_mode, fake_primals),
+            _no_nan_checks(),
+        ):
             gm = _record(traced, fake_primals, decompositions or {}, fake_mode)
     except (RuntimeError, ValueError, IndexError) as e:
         if isinstance(e, AotgradError):
@@ -195,6 +199,14 @@ def _no_fake_cache(fake_mode, fake_primals):
     if any(isinstance(p, torch.Tensor) and p.storage_offset() != 0 for p in fake_primals):
         return disable_fake_tensor_cache(fake_mode)
     return contextlib.nullcontext()
+
+
+def _no_nan_checks():
+    """Anomaly mode checks each backward node's output for NaN, a data-dependent `.item()` the
+    trace's fake tensors cannot answer; at run time it checks the compiled backward's outputs."""
+    if not torch.is_anomaly_enabled() or not torch.is_anomaly_check_nan_enabled():
+        return contextlib.nullcontext()
+    return torch.autograd.set_detect_anomaly(True, check_nan=False)
 
 
 def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
