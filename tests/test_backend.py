@@ -552,6 +552,38 @@ def test_compiled_autograd_context_over_an_aotgrad_forward():
     _assert_grads_match(mod, ref)
 
 
+def _cond(x, w):
+    return torch.cond(x.sum() > 0, lambda x, w: (x @ w).sin(), lambda x, w: (x @ w).cos(), (x, w))
+
+
+def _scan(init, xs):
+    from torch._higher_order_ops.scan import scan
+
+    def step(carry, x):
+        new = carry * 0.5 + x.sin()
+        return new, new.clone()
+
+    return scan(step, init, xs)[1]
+
+
+@pytest.mark.parametrize(
+    "backend, program, shapes",
+    [("aotgrad", _cond, [(3, 4), (4, 5)]), ("aotgrad_eager", _cond, [(3, 4), (4, 5)]),
+     ("aotgrad_eager", _scan, [(4,), (5, 4)])],
+)
+def test_control_flow_operators_train_like_eager(backend, program, shapes):
+    """torch.cond / scan register their functionalization for FunctionalTensorMode by exact type;
+    aotgrad's subclass of it takes the same rules."""
+    for sign in (1, -1):  # both branches of cond
+        args = [sign * torch.randn(*s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+        ref = [a.clone().requires_grad_() for a in args]
+        got = [a.clone().requires_grad_() for a in args]
+        program(*ref).sum().backward()
+        torch.compile(program, backend=backend)(*got).sum().backward()
+        for r, g in zip(ref, got):
+            torch.testing.assert_close(g.grad, r.grad, rtol=1e-4, atol=1e-6)
+
+
 def _times_rand(x):
     return torch.rand_like(x) * x.sin()
 

@@ -567,6 +567,26 @@ def test_custom_function_traced_through():
     check_against_eager(lambda x, y: Scale.apply(x, y), leaf_inputs((4,), (4,)))
 
 
+def test_custom_function_returning_a_view_of_its_intermediate():
+    """The output's history is the Function's backward, not its base's (which has none): it is
+    returned as computed, not rebuilt as a view (it used to be refused as a detach_())."""
+
+    class FirstTwoDoubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return (x * 2)[:2]
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.cat([g * 2, g.new_zeros(2)])
+
+    x = torch.randn(4, requires_grad=True)
+    out = aot_function(FirstTwoDoubled.apply, nop)(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, (x * 2)[:2])
+    torch.testing.assert_close(x.grad, torch.tensor([2.0, 2.0, 0.0, 0.0]))
+
+
 def test_backward_mutation_of_input_not_requiring_grad():
     def f(x, buf):
         return BwMutatesBuffer.apply(x, buf).sin()

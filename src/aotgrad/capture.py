@@ -787,6 +787,10 @@ def _steps_in_caller_coordinates(steps, shift: int, ratio: Fraction) -> tuple:
 def _intermediate_chain(pos, o):
     """How to rebuild `o`, a view of a tensor the graph computes, from that tensor (None: return `o`)."""
     base = o._base
+    if o.requires_grad and not base.requires_grad and o.grad_fn is not None and not getattr(base, "_aotgrad_detached", False):
+        # A view an autograd.Function returned (a higher-order op's, e.g. while_loop's): its history is
+        # the Function's backward, not its base's. Returned as computed (as upstream does).
+        return None
     if o.requires_grad and not base.requires_grad:
         raise UnsupportedAliasingError(
             f"aotgrad: output {pos} is a view of an intermediate that the program detach_()es after taking "

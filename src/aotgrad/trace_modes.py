@@ -43,6 +43,7 @@ class Functionalize(FunctionalTensorMode):
 
     def __init__(self):
         super().__init__()
+        _share_higher_order_rules()
         self.aliased_metadata_op = None
         self.metadata_ops = 0  # in-place metadata ops so far: views older than the last may be stale
         self.last_metadata_op = None
@@ -328,6 +329,16 @@ def overlaps_itself(size, stride) -> bool:
             return True
         extent += st * (sz - 1)
     return False
+
+
+def _share_higher_order_rules() -> None:
+    """Higher-order ops (`torch.cond`, `while_loop`, `scan`...) register how to functionalize them
+    for `FunctionalTensorMode` itself, looked up by exact type; `Functionalize` is a subclass, so it
+    takes the same rules (for the ops defined so far: modules define them as they are imported)."""
+    for hop in list(torch._ops._higher_order_ops.values()):
+        rule = hop.python_key_table.get(FunctionalTensorMode)
+        if rule is not None and Functionalize not in hop.python_key_table:
+            hop.py_impl(Functionalize)(rule)
 
 
 class TraceHooks(torch.overrides.TorchFunctionMode):
