@@ -26,12 +26,15 @@ from .errors import (
     UnsupportedMutationError,
     UnsupportedOutputError,
 )
+from .export import BackwardSignature, GraphSignature, aot_export_module
 from .partition import default_partition
 
 __all__ = [
     "AOTModule",
     "AotgradError",
     "BackwardMutationError",
+    "BackwardSignature",
+    "GraphSignature",
     "CompiledFunction",
     "InplaceOnLeafError",
     "UnsupportedAliasingError",
@@ -39,6 +42,7 @@ __all__ = [
     "UnsupportedMutationError",
     "UnsupportedOutputError",
     "aot_export_joint_simple",
+    "aot_export_module",
     "aot_function",
     "aot_module",
     "aot_module_simplified",
