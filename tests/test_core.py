@@ -1030,3 +1030,33 @@ def test_retain_graph_runs_the_backward_twice():
     torch.testing.assert_close(x.grad, 2 * first)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         out.backward()
+
+
+def test_functorch_compile_naming_and_printing_helpers(capsys):
+    """`get_graph_being_compiled` names the graph a compiler is given, as functorch.compile does."""
+    names = []
+
+    def naming_compiler(gm, _inputs):
+        names.append((aotgrad.get_graph_being_compiled(), aotgrad.get_aot_compilation_context()[0]))
+        return gm
+
+    aotgrad.set_model_name("tiny")
+    try:
+        cf = aot_function(lambda x: x.sin().sum(), naming_compiler)
+        cf(torch.randn(3, requires_grad=True)).backward()
+        with torch.no_grad():
+            cf(torch.randn(3))
+    finally:
+        aotgrad.set_model_name("model")
+    kinds = [k for _, k in names]
+    assert kinds == [["forward"], ["backward"], ["inference"]]
+    (fw, _), (bw, _), (inf, _) = names
+    assert fw.startswith("tiny__") and "_forward_" in fw and "_backward_" in bw and "_inference_" in inf
+    assert fw.split("__")[1].split("_")[0] == bw.split("__")[1].split("_")[0]  # one aot id per signature
+    assert aotgrad.get_aot_compilation_context()[0] == []  # outside a compile
+
+    aot_function(lambda x: x.cos(), aotgrad.print_compile)(torch.randn(2))
+    assert "torch.ops.aten.cos" in capsys.readouterr().out
+    if not __import__("torch.fx.passes.graph_drawer", fromlist=["x"]).HAS_PYDOT:
+        with pytest.raises(ImportError, match="pydot"):
+            aotgrad.draw_graph(torch.fx.symbolic_trace(lambda x: x + 1), "/tmp/unused.svg")

@@ -15,7 +15,19 @@ from .api import (
     compiled_function,
     compiled_module,
 )
-from .compilers import make_boxed_compiler, make_boxed_func, nop, print_graph
+from .compilers import (
+    draw_graph,
+    draw_graph_compile,
+    get_aot_compilation_context,
+    get_aot_graph_name,
+    get_graph_being_compiled,
+    make_boxed_compiler,
+    make_boxed_func,
+    nop,
+    print_compile,
+    print_graph,
+    set_model_name,
+)
 from .decompositions import default_decompositions
 from .errors import (
     AotgradError,
@@ -50,10 +62,17 @@ __all__ = [
     "compiled_module",
     "default_decompositions",
     "default_partition",
+    "draw_graph",
+    "draw_graph_compile",
+    "get_aot_compilation_context",
+    "get_aot_graph_name",
+    "get_graph_being_compiled",
     "make_boxed_compiler",
     "make_boxed_func",
     "nop",
+    "print_compile",
     "print_graph",
+    "set_model_name",
 ]
 
 # torch.compile backend (backend.py) and its switches (config.py). Note: `aotgrad.backend` is the

@@ -10,6 +10,7 @@ that is safe (reinplace.py), unless the compiler does that itself.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .compilers import boxed, takes_functional_graphs
+from .compilers import boxed, naming, takes_functional_graphs
 from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
@@ -38,6 +39,7 @@ class CompiledForward:
     written_in_place: frozenset[int] = frozenset()  # primals whose new value the graph already wrote
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
+    aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -52,7 +54,11 @@ class CompiledForward:
     def _compile_backward(self, example_inputs: list) -> Callable:
         if not takes_functional_graphs(self.bw_compiler):
             reinplace(self.bw_module)
-        return boxed(self.bw_compiler(self.bw_module, example_inputs))
+        with naming("backward", self.aot_id):
+            return boxed(self.bw_compiler(self.bw_module, example_inputs))
+
+
+_aot_ids = itertools.count()
 
 
 def compile_inference(captured: Captured, compiler: Callable, example_primals: Sequence[Any]) -> CompiledForward:
@@ -60,9 +66,10 @@ def compile_inference(captured: Captured, compiler: Callable, example_primals: S
     if isinstance(gm, _LazyGraphModule):  # compilers get a module whose forward is the real code
         gm = torch.fx.GraphModule(gm, gm.graph)
     in_place = _reinplace_for(compiler, gm, captured.plan)
-    return CompiledForward(
-        boxed(compiler(gm, list(example_primals))), gm, captured.plan.num_fw_outputs, written_in_place=in_place
-    )
+    aot_id = next(_aot_ids)
+    with naming("inference", aot_id):
+        compiled = boxed(compiler(gm, list(example_primals)))
+    return CompiledForward(compiled, gm, captured.plan.num_fw_outputs, written_in_place=in_place, aot_id=aot_id)
 
 
 def compile_training(
@@ -89,7 +96,9 @@ def compile_training(
     in_place = _reinplace_for(fw_compiler, fw_module, plan)
     if keep_input_mutations:
         in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
-    forward = boxed(fw_compiler(fw_module, list(example_primals)))
+    aot_id = next(_aot_ids)
+    with naming("forward", aot_id):
+        forward = boxed(fw_compiler(fw_module, list(example_primals)))
     compiled = CompiledForward(
         forward,
         fw_module,
@@ -99,6 +108,7 @@ def compile_training(
         written_in_place=in_place,
         bw_module=bw_module,
         bw_compiler=bw_compiler,
+        aot_id=aot_id,
     )
     example_cotangents = _symbolic_placeholder_values(bw_module)
     if example_cotangents is not None:

@@ -7,6 +7,8 @@ boxed, wrapping unboxed ones once at compile time so the hot path never checks.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -70,3 +72,84 @@ def print_graph(name: str) -> Callable:
         return fx_g
 
     return compiler
+
+
+def print_compile(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
+    """A compiler that prints the graph's code and runs it as is (`functorch.compile.print_compile`)."""
+    print(fx_g.code)
+    return fx_g
+
+
+def draw_graph(traced: torch.fx.GraphModule, fname: str, figname: str = "fx_graph", clear_meta: bool = True,
+               prog: str | list[str] | None = None, parse_stack_trace: bool = False,
+               dot_graph_shape: str | None = None) -> None:
+    """Write `traced` as an image (format from the file suffix, default .svg); needs `pydot`."""
+    import os
+
+    from torch.fx.passes import graph_drawer
+
+    if not graph_drawer.HAS_PYDOT:
+        raise ImportError("aotgrad.draw_graph needs pydot (pip install pydot) and graphviz")
+    base, ext = os.path.splitext(fname)
+    ext = ext or ".svg"
+    if clear_meta:
+        traced = torch.fx.GraphModule(traced, _without_meta(traced.graph))
+    drawer = graph_drawer.FxGraphDrawer(traced, figname, parse_stack_trace=parse_stack_trace, dot_graph_shape=dot_graph_shape)
+    graph = drawer.get_main_dot_graph()
+    write = getattr(graph, "write_" + ext.lstrip("."))
+    write(f"{base}{ext}", prog=prog) if prog else write(f"{base}{ext}")
+
+
+def _without_meta(graph: torch.fx.Graph) -> torch.fx.Graph:
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    for node in copy.nodes:
+        node.meta = {}
+    return copy
+
+
+def draw_graph_compile(name: str) -> Callable:
+    """A compiler that draws each graph it gets to `<name>_<graph name>.svg`, then runs it as is."""
+
+    def compiler(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
+        draw_graph(fx_g, f"{name}_{get_graph_being_compiled()}")
+        return fx_g
+
+    return compiler
+
+
+# -- the name of the graph being compiled (functorch.compile's helpers, for compilers that dump) --
+
+_model_name = "model"
+_graphs_compiled = itertools.count(1)
+_current: tuple[list[str], int, int] = ([], 0, 0)  # (kind, aot id, nth graph)
+
+
+def set_model_name(name: str) -> None:
+    global _model_name
+    _model_name = name
+
+
+@contextlib.contextmanager
+def naming(kind: str, aot_id: int):
+    """While a compiler runs: which graph it is ("forward", "backward", "inference") of which signature."""
+    global _current
+    saved = _current
+    _current = ([kind], aot_id, next(_graphs_compiled))
+    try:
+        yield
+    finally:
+        _current = saved
+
+
+def get_aot_compilation_context() -> tuple[list[str], str, int]:
+    kinds, _, nth = _current
+    return list(kinds), _model_name, nth
+
+
+def get_aot_graph_name() -> str:
+    kinds, aot_id, nth = _current
+    return f"{_model_name}__{aot_id}_{'_'.join(kinds)}_{nth}"
+
+
+get_graph_being_compiled = get_aot_graph_name
