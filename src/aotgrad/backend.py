@@ -49,6 +49,7 @@ import inspect
 import itertools
 import linecache
 import logging
+import operator
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -482,8 +483,6 @@ def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inpu
 
 
 def _is_getitem_of(node: torch.fx.Node, source: torch.fx.Node) -> bool:
-    import operator
-
     return node.target is operator.getitem and node.args[0] is source and isinstance(node.args[1], int)
 
 
