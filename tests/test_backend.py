@@ -584,6 +584,19 @@ def test_control_flow_operators_train_like_eager(backend, program, shapes):
             torch.testing.assert_close(g.grad, r.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_flex_attention_inference():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def causal(score, b, h, q, kv):
+        return torch.where(q >= kv, score, -float("inf"))
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=causal)
+
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch.testing.assert_close(torch.compile(attend, backend="aotgrad_eager")(q, k, v), attend(q, k, v))
+
+
 def _times_rand(x):
     return torch.rand_like(x) * x.sin()
 
