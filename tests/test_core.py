@@ -171,6 +171,44 @@ def test_anomaly_mode_traces_and_still_catches_nan_gradients_at_run_time():
                     fn(x).backward()
 
 
+def test_inputs_that_get_no_gradient_are_not_walked_by_the_backward():
+    """An input that requires grad but does not reach any output (eager: no autograd edge to it)
+    is handed to the autograd.Function detached: the backward neither visits its history (freed
+    here, which raised "backward through the graph a second time") nor gives its leaf a zero grad
+    where eager gives None."""
+
+    def f(a, b):
+        return a * 2
+
+    cf = aot_function(f, nop)
+    x = torch.randn(3, requires_grad=True)
+    y = x.sin()
+    a = torch.randn(3, requires_grad=True)
+    y.sum().backward()  # frees y's history
+    (ga, gx) = torch.autograd.grad(cf(a, y).sum(), (a, x), allow_unused=True)
+    torch.testing.assert_close(ga, torch.full((3,), 2.0))
+    assert gx is None
+
+
+def test_non_contiguous_synthetic_base_that_requires_grad():
+    """Two inputs viewing one transposed (non-contiguous) tensor, one of them mutated: the graph
+    writes the base with as_strided_scatter, which aten refuses on a non-contiguous tensor that
+    requires grad even under no_grad; the graph gets the base's values detached."""
+
+    def f(v, a):
+        a.mul_(1.5)
+        return v.view(2, 2, 2).sin(), a.cos()
+
+    def make():
+        r0 = torch.linspace(-1, 1, 8).reshape(4, 2).requires_grad_()
+        c0 = r0.clone()
+        v0 = c0.t()
+        c0.transpose_(0, 1)  # c0 and v0: the same non-contiguous (2, 4) view of c0's storage
+        return (r0,), (v0, c0)
+
+    check_against_eager(f, make)
+
+
 def test_graphs_are_functional():
     cell = GraphCell()
 

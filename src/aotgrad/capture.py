@@ -322,6 +322,9 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     if training:
         grads, num_tangents = _trace_backward(fw, primals, funs, bases, mode)
     _sink_effect_token(mode, initial_token)
+    set_in_prologue = {a.primal for a in fw.prologue}
+    grad_free = tuple(k for k, (p, g) in enumerate(zip(primals, grads))
+                      if g is None and p.requires_grad and k not in set_in_prologue)
     state["plan"] = Plan(
         layout=layout,
         mutations=tuple(fw.mutations),
@@ -331,6 +334,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         prologue=tuple(fw.prologue),
         epilogue=tuple(fw.epilogue),
         is_training=training,
+        grad_free=grad_free,
     )
     state["num_tangents"] = num_tangents
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}

@@ -350,6 +350,9 @@ class Plan:
     epilogue: tuple[EpilogueAction, ...]
     is_training: bool
     symbol_sources: tuple[SymbolSource, ...] = ()
+    # Primals that require grad but get no gradient from the graph: handed to the autograd.Function
+    # detached, so a backward does not walk their history, which eager's would not reach either.
+    grad_free: tuple[int, ...] = ()
 
     @property
     def num_fw_outputs(self) -> int:

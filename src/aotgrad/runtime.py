@@ -125,7 +125,14 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
 
     fw = _Source()
     fw_call = fw.bind("fw", compiled.forward)
-    fw.emit(f"outs = {fw_call}(list(primals))")
+    scattered = _scattered_into(compiled.fw_module)
+    if scattered:
+        # aten's as_strided_scatter refuses a non-contiguous input that requires grad, even under
+        # no_grad; the graph needs only its values (the Function records the autograd side).
+        args = [f"primals[{k}].detach()" if k in scattered else f"primals[{k}]" for k in range(plan.layout.num_primals)]
+        fw.emit(f"outs = {fw_call}([{', '.join(args)}])")
+    else:
+        fw.emit(f"outs = {fw_call}(list(primals))")
     if compiled.written_in_place:
         # The graph wrote these inputs itself; a compiled kernel's write does not bump the version
         # counter as eager's copy_ does. Bump them here, before anything sharing a counter is saved.
@@ -165,6 +172,13 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(_first_order_only(backward))},
     )
+
+
+def _scattered_into(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of the graph inputs that an `as_strided_scatter` writes into."""
+    placeholders = {n: k for k, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    return {placeholders[n.args[0]] for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.as_strided_scatter.default)
+            if n.args and n.args[0] in placeholders}
 
 
 def _first_order_only(backward: Callable) -> Callable:
@@ -214,7 +228,8 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
     results = [f"r{i}" for i in range(compiled.num_fw_outputs)]
     if plan.is_training and results:
         apply = src.bind("apply", make_autograd_function(plan, compiled).apply)
-        src.emit(f"{_tuple_src(results)} = {apply}({', '.join(primals)})")
+        args = [f"{p}.detach()" if k in plan.grad_free else p for k, p in enumerate(primals)]
+        src.emit(f"{_tuple_src(results)} = {apply}({', '.join(args)})")
     else:
         call = src.bind("fw", compiled.forward)
         n = compiled.num_fw_outputs
