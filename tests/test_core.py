@@ -190,6 +190,18 @@ def test_inputs_that_get_no_gradient_are_not_walked_by_the_backward():
     assert gx is None
 
 
+def test_output_requiring_grad_through_a_no_grad_view_keeps_requiring_grad():
+    """No input gets a gradient here, yet the output requires grad in eager (a view taken under
+    no_grad of a tensor that requires grad): the Function keeps its input edges then."""
+
+    def f(a):
+        with torch.no_grad():
+            v = a.transpose(1, 2).view(2, 2)
+        return v.unbind(0)[0].sum(0)
+
+    check_against_eager(f, leaf_inputs((2, 2, 1)))
+
+
 def test_non_contiguous_synthetic_base_that_requires_grad():
     """Two inputs viewing one transposed (non-contiguous) tensor, one of them mutated: the graph
     writes the base with as_strided_scatter, which aten refuses on a non-contiguous tensor that

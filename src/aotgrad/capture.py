@@ -325,6 +325,10 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     set_in_prologue = {a.primal for a in fw.prologue}
     grad_free = tuple(k for k, (p, g) in enumerate(zip(primals, grads))
                       if g is None and p.requires_grad and k not in set_in_prologue)
+    if len(grad_free) == sum(p.requires_grad for p in primals):
+        # Outputs of an autograd.Function require grad only if some input does; an output can
+        # require grad in eager without a gradient path (a view taken under no_grad): keep the edges.
+        grad_free = ()
     state["plan"] = Plan(
         layout=layout,
         mutations=tuple(fw.mutations),
