@@ -8,6 +8,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --n 2000 --seed 0
     python scripts/fuzz.py --seed 0 --only 258      # re-check (and shrink) one program
     python scripts/fuzz.py --seed 0 --show 258      # print one generated program
+    python scripts/fuzz.py --n 500 --backend aotgrad_eager   # through torch.compile (Dynamo, graph breaks)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, help="check (and shrink) only program number ONLY; print it")
     ap.add_argument("--show", type=int, help="print program number SHOW and exit")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--backend", default=None,
+                    help="compile through torch.compile(backend=BACKEND) (e.g. aotgrad_eager) instead of aot_function")
     args = ap.parse_args(argv)
 
     if args.show is not None:
@@ -44,16 +47,17 @@ def main(argv=None) -> int:
         return 0
     if args.only is not None:
         prog = fuzz.generate(args.seed, args.only)
-        out = fuzz.check_program(prog)
+        out = fuzz.check_program(prog, backend=args.backend)
         print(f"{out.kind}: {out.message or out.key}")
         if out.kind in ("crashed", "mismatched"):
             if not args.no_shrink:
-                prog = fuzz.shrink(prog, out)
-            print(prog.reproducer(out.message.splitlines()[0] if out.message else ""))
+                prog = fuzz.shrink(prog, out, still_fails=lambda p: fuzz.check_program(
+                    p, backend=args.backend).same_failure(out))
+            print(prog.reproducer(out.message.splitlines()[0] if out.message else "", args.backend))
             if out.detail:
                 print(out.detail)
             return 1
-        print(prog.reproducer())
+        print(prog.reproducer(backend=args.backend))
         return 0
 
     t0 = time.time()
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
         shrink_failures=not args.no_shrink, shrink_per_key=args.shrink_per_key,
         out_dir=args.out or None,
         progress=None if args.quiet else fuzz.Progress(args.n),
+        backend=args.backend,
     )
     print(summary.report(top=args.top))
     print(f"{time.time() - t0:.1f}s")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -110,15 +111,16 @@ class Program:
     def n_statements(self) -> int:
         return sum(len(s.body) if isinstance(s, NoGrad) else 1 for s in self.body)
 
-    def reproducer(self, header: str = "") -> str:
+    def reproducer(self, header: str = "", backend: str | None = None) -> str:
         kw = "".join(f", {k}={v!r}" for k, v in self.config)
         comment = "".join(f"# {line}\n" for line in header.splitlines())
+        make = f"torch.compile(f, backend={backend!r})" if backend else f"aot_function(f, nop{kw})"
         return (
             f"{comment}import torch\n\nfrom aotgrad import aot_function, nop\n"
             "from aotgrad.testing import check_against_eager\n\n\n"
             f"{self.source()}\n\n"
             'if __name__ == "__main__":\n'
-            f"    compiled = aot_function(f, nop{kw})\n"
+            f"    compiled = {make}\n"
             "    for _ in range(2):  # the second call takes the cached fast path\n"
             "        check_against_eager(f, make_inputs, compiled=compiled)\n"
             '    print("matches eager")\n'
@@ -659,16 +661,41 @@ def _raised_by_checker(tb) -> bool:
     return last.endswith("aotgrad/testing.py") or "/torch/testing/" in last
 
 
-def _eager_ok(f: Callable, make_inputs: Callable) -> bool:
+def _eager_ok(f: Callable, make_inputs: Callable, backend: str | None = None) -> bool:
+    """Eager runs the program and agrees with itself (or, with `backend`, Dynamo with that backend
+    agrees with eager)."""
     from .testing import check_against_eager
 
     try:
-        check_against_eager(f, make_inputs, compiled=f)
+        if backend is not None:
+            torch._dynamo.reset()
+        check_against_eager(f, make_inputs, compiled=f if backend is None else torch.compile(f, backend=backend))
     except Exception:
         return False
     finally:
         torch.set_grad_enabled(True)
     return True
+
+
+def _compile(f: Callable, prog: Program, backend: str | None) -> Callable:
+    from .api import aot_function
+    from .compilers import nop
+
+    if backend is None:
+        return aot_function(f, nop, **prog.aot_kwargs)
+    torch._dynamo.reset()
+    return torch.compile(f, backend=backend)
+
+
+def _refusal_in(e: BaseException) -> AotgradError | None:
+    """The AotgradError behind `e` (Dynamo wraps a backend's error in its own), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, AotgradError):
+            return e
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return None
 
 
 @contextlib.contextmanager
@@ -685,13 +712,16 @@ def _quiet():
         logger.setLevel(level)
 
 
-def check_program(prog: Program, *, eager_checked: bool = False, explain_mismatch: bool = True) -> Outcome:
+def check_program(
+    prog: Program, *, eager_checked: bool = False, explain_mismatch: bool = True, backend: str | None = None
+) -> Outcome:
     """Run `prog` eagerly and compiled (twice: the second call takes the cached path); classify.
 
+    Compiled with `aot_function(f, nop)`, or with `torch.compile(f, backend=backend)`: Dynamo then
+    splits programs at graph breaks and hands aotgrad graphs whose inputs are earlier graphs' values.
+    A program Dynamo alone (backend="eager") gets wrong or cannot run is skipped there.
     A mismatch is keyed by the first difference `explain` finds (which says e.g. which output lost
     its aliasing), falling back to `check_against_eager`'s message."""
-    from .api import aot_function
-    from .compilers import nop
     from .testing import check_against_eager
 
     with _quiet():
@@ -701,20 +731,23 @@ def check_program(prog: Program, *, eager_checked: bool = False, explain_mismatc
             return Outcome("skipped", "source", repr(e))
         if not eager_checked and not _eager_ok(f, make_inputs):
             return Outcome("skipped", "eager")
+        if backend is not None and not _eager_ok(f, make_inputs, backend="eager"):
+            return Outcome("skipped", "dynamo")
         call = 0
         try:
-            compiled = aot_function(f, nop, **prog.aot_kwargs)
+            compiled = _compile(f, prog, backend)
             for call in range(2):  # noqa: B007 - `call` is read in the handlers
                 check_against_eager(f, make_inputs, compiled=compiled)
                 if not torch.is_grad_enabled():
                     raise RuntimeError("grad mode left disabled after the compiled call")
-        except AotgradError as e:
-            return Outcome("refused", f"{type(e).__name__}: {normalize(_first_line(e))}", str(e))
         except Exception as e:
+            refusal = _refusal_in(e)
+            if refusal is not None:
+                return Outcome("refused", f"{type(refusal).__name__}: {normalize(_first_line(refusal))}", str(refusal))
             where = "" if call == 0 else "[2nd call] "
             if isinstance(e, AssertionError) and _raised_by_checker(e.__traceback__):
                 msg = _first_line(e)
-                diffs = explain(prog, calls=call + 1) if explain_mismatch else []
+                diffs = explain(prog, calls=call + 1) if explain_mismatch and backend is None else []
                 key = where + (diffs[0][0] if diffs else normalize(msg))
                 message = where + msg + "".join(f"\n  differs: {d}" for _, d in diffs) + "\n" + str(e)
                 return Outcome("mismatched", key, message)
@@ -1006,7 +1039,7 @@ class Summary:
         return "\n".join(lines)
 
 
-def write_reproducer(fail: Failure, seed: int, out_dir: str) -> str:
+def write_reproducer(fail: Failure, seed: int, out_dir: str, backend: str | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     prog = fail.shrunk or fail.program
     out = fail.shrunk_outcome if fail.shrunk_outcome is not None else fail.outcome
@@ -1020,7 +1053,7 @@ def write_reproducer(fail: Failure, seed: int, out_dir: str) -> str:
         + "".join(f"\nat {w}" for w in _where(out.detail))
     )
     with open(path, "w") as fh:
-        fh.write(prog.reproducer(header))
+        fh.write(prog.reproducer(header, backend))
     return path
 
 
@@ -1067,26 +1100,29 @@ def run(
     out_dir: str | None = "fuzz-repros",
     progress: Progress | None = None,
     start: int = 0,
+    backend: str | None = None,
 ) -> Summary:
-    """Generate and check programs `start .. start+n-1` of run `seed`.
+    """Generate and check programs `start .. start+n-1` of run `seed` (through `torch.compile` with
+    `backend`, if given).
 
     Crashes and mismatches are shrunk (at most `shrink_per_key` per distinct failure message; the
     others are written as generated) and written to `out_dir` (None: keep them in the summary only).
     """
     summary = Summary(seed)
     shrunk_keys: Counter = Counter()
+    check = functools.partial(check_program, backend=backend)
     for k, i in enumerate(range(start, start + n)):
         prog = generate(seed, i)
-        out = check_program(prog)
+        out = check(prog)
         fail = summary.add(i, prog, out)
         if fail is not None:
             key = (out.kind, out.key)
             if shrink_failures and shrunk_keys[key] < shrink_per_key:
                 shrunk_keys[key] += 1
-                fail.shrunk = shrink(prog, out)
-                fail.shrunk_outcome = check_program(fail.shrunk)
+                fail.shrunk = shrink(prog, out, still_fails=lambda p, out=out: check(p).same_failure(out))
+                fail.shrunk_outcome = check(fail.shrunk)
             if out_dir is not None:
-                fail.path = write_reproducer(fail, seed, out_dir)
+                fail.path = write_reproducer(fail, seed, out_dir, backend)
         if progress is not None:
             progress.update(k + 1, summary)
     return summary
