@@ -75,7 +75,7 @@ def print_graph(name: str) -> Callable:
 
 
 def print_compile(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
-    """A compiler that prints the graph's code and runs it as is (`functorch.compile.print_compile`)."""
+    """A compiler that prints the graph's code and runs it as is (upstream's `print_compile`)."""
     print(fx_g.code)
     return fx_g
 
@@ -118,7 +118,7 @@ def draw_graph_compile(name: str) -> Callable:
     return compiler
 
 
-# -- the name of the graph being compiled (functorch.compile's helpers, for compilers that dump) --
+# -- the name of the graph being compiled (upstream's naming helpers, for compilers that dump) --
 
 _model_name = "model"
 _graphs_compiled = itertools.count(1)
