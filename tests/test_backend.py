@@ -597,6 +597,26 @@ def test_flex_attention_inference():
     torch.testing.assert_close(torch.compile(attend, backend="aotgrad_eager")(q, k, v), attend(q, k, v))
 
 
+@pytest.mark.parametrize("complex_view", [False, True])
+def test_inductor_keeps_a_clone_of_a_viewed_input(complex_view):
+    """`x.permute(...).clone()` is a fresh tensor in eager. The trace records views with values of
+    their own storage; Inductor read that as "the clone's input is no input alias" and dropped the
+    clone, so the output aliased x (an in-place op on it then wrote x, or raised)."""
+
+    def f(x):
+        y = x.permute(1, 0).clone()
+        return y.real if complex_view else y
+
+    dtype = torch.complex64 if complex_view else torch.float32
+    x = torch.randn(2, 1, dtype=dtype, requires_grad=True)
+    out = torch.compile(f, backend="aotgrad")(x)
+    torch.testing.assert_close(out, f(x))
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    before = x.detach().clone()
+    out.add_(2)
+    torch.testing.assert_close(x.detach(), before)
+
+
 def _times_rand(x):
     return torch.rand_like(x) * x.sin()
 

@@ -583,6 +583,7 @@ class _InductorCompilers:
     def partition(self, partition_fn: Callable) -> Callable:
         def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
             _tensorify_scalars(joint_module)
+            _views_alias_their_base(joint_module)
             if config.inductor_graph_passes:
                 from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
@@ -603,6 +604,7 @@ class _InductorCompilers:
     def inference(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
         example = placeholder_values(gm)
         _tensorify_scalars(gm)
+        _views_alias_their_base(gm)
         if config.inductor_graph_passes:
             from torch._inductor.compile_fx import _recursive_joint_graph_passes
 
@@ -659,6 +661,39 @@ class _InductorCompilers:
                 # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
                 gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
         return compiled
+
+
+def _views_alias_their_base(gm: torch.fx.GraphModule) -> None:
+    """Give each view node a value that is a view of its input's value.
+
+    The trace computes views as copies (functionalization without reapplied views), so a view
+    node's value had a storage of its own. Inductor reads aliasing off node values: its no-op
+    removal then dropped `clone(permute(x))`'s clone, returning a view of input x as a fresh output,
+    and its re-inplacing would misjudge which buffers a write can reuse."""
+    from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
+
+    from .analysis import is_view_op
+
+    fake_mode = _mode_of(placeholder_values(gm))
+    if fake_mode is None:
+        return
+    with fake_mode, enable_python_dispatcher():
+        for node in gm.graph.nodes:
+            target = node.target
+            if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not is_view_op(target):
+                continue
+            if not node.args or not isinstance(node.args[0], torch.fx.Node):
+                continue
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            try:
+                value = target(*args, **kwargs)
+            except Exception:  # keep the traced value
+                continue
+            node.meta["val"] = value
+            if isinstance(value, (tuple, list)):
+                for user in node.users:
+                    if user.target is operator.getitem and isinstance(user.args[1], int):
+                        user.meta["val"] = value[user.args[1]]
 
 
 def _tensorify_scalars(gm: torch.fx.GraphModule) -> None:
