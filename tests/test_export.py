@@ -155,3 +155,24 @@ def test_what_an_exported_graph_cannot_express_is_refused_by_name(mod, kwargs, w
     with pytest.raises(aotgrad.AotgradError) as info:
         aot_export_module(mod, (torch.randn(2, 3),), **kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+class WithKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, xs, *, scale):
+        return self.lin(xs[0] + xs[1]) * scale
+
+
+def test_nested_and_keyword_user_inputs_are_user_inputs():
+    """Every flat leaf after the parameters is a user input (pytrees and keyword arguments too)."""
+    torch.manual_seed(0)
+    mod = WithKeyword()
+    xs, scale = (torch.randn(2, 3), torch.randn(2, 3)), torch.randn(())
+    gm, sig = aot_export_module(mod, (xs,), kwargs={"scale": scale}, trace_joint=False)
+    assert len(sig.user_inputs) == 3 and sig.parameters == ["lin.weight", "lin.bias"]
+    (out,) = gm(*_state(mod), *xs, scale)
+    with torch.no_grad():
+        torch.testing.assert_close(out, mod(xs, scale=scale))

@@ -8,7 +8,6 @@ gradients identical to eager. See ARCHITECTURE.md for the pipeline.
 from .api import (
     AOTModule,
     CompiledFunction,
-    aot_export_joint_simple,
     aot_function,
     aot_module,
     aot_module_simplified,
@@ -38,7 +37,7 @@ from .errors import (
     UnsupportedMutationError,
     UnsupportedOutputError,
 )
-from .export import BackwardSignature, GraphSignature, aot_export_module
+from .export import BackwardSignature, GraphSignature, aot_export_joint_simple, aot_export_module
 from .partition import default_partition
 
 __all__ = [

@@ -19,10 +19,9 @@ from torch.utils import _pytree as pytree
 from . import inputs as inputs_stage
 from .capture import NeedsSyntheticBase, capture
 from .compile import compile_inference, compile_training
-from .errors import UnsupportedMutationError, UnsupportedOutputError
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
-from .plan import GraphOutput, UserOutput, symbols_in
+from .plan import symbols_in
 from .runtime import build_runner
 
 
@@ -231,41 +230,3 @@ def aot_module_simplified(
     forward.named_buffers = mod.named_buffers
     forward._boxed_call = False
     return forward
-
-
-def aot_export_joint_simple(
-    func: Callable,
-    args,
-    *,
-    trace_joint: bool,
-    num_params_buffers: int = 0,
-    decompositions: dict | None = None,
-) -> torch.fx.GraphModule:
-    """Trace `func(*args)` into one graph with no run-time wrapping: the joint forward+backward graph
-    (`primals_*`, `tangents_*` -> forward outputs, then one gradient per input) when `trace_joint`,
-    else the forward graph. For programs that need no epilogue: no input mutations, and outputs that
-    are plain tensors not aliasing anything (anything else raises an `AotgradError`)."""
-    leaves, spec = inputs_stage.flatten_call(tuple(args), {})
-    inputs_stage.check_supported(leaves)
-    layout = inputs_stage.layout_for(leaves, spec)
-    primals = inputs_stage.primal_values(layout, leaves)
-    with torch.enable_grad() if trace_joint else torch.no_grad():
-        captured = capture(
-            func, layout, leaves, primals, training=trace_joint,
-            decompositions=decompositions, keep_inference_input_mutations=False,
-        )
-    plan = captured.plan
-    for k, m in enumerate(plan.mutations):
-        if m.any or m.in_backward:
-            raise UnsupportedMutationError(
-                f"aotgrad.aot_export_joint_simple: the program mutates graph input {k}; an exported graph "
-                "has no epilogue to apply it. Use aot_function, or clone the input first."
-            )
-    for i, src in enumerate(plan.out_sources):
-        kind = plan.fw_outputs[src.index].kind if isinstance(src, GraphOutput) else None
-        if not isinstance(kind, UserOutput) or kind.position != i:
-            raise UnsupportedOutputError(
-                f"aotgrad.aot_export_joint_simple: output {i} aliases an input or another output, or is "
-                "not a tensor; an exported graph cannot rebuild it. Return a .clone()."
-            )
-    return captured.graph

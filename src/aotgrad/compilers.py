@@ -66,10 +66,9 @@ def nop(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
 def print_graph(name: str) -> Callable:
     """A compiler that prints the graph it is given (handy while debugging)."""
 
-    def compiler(fx_g: torch.fx.GraphModule, _example_inputs):
+    def compiler(fx_g: torch.fx.GraphModule, example_inputs):
         print(f"==== {name} ====")
-        print(fx_g.code)
-        return fx_g
+        return print_compile(fx_g, example_inputs)
 
     return compiler
 

@@ -1,6 +1,7 @@
-"""`aot_export_module`: a module's whole step as one functional graph that a caller runs itself.
+"""Export: `aot_export_module` (a module's whole step as one functional graph a caller runs itself) and
+`aot_export_joint_simple` (a function's joint or forward graph, for programs that need no epilogue).
 
-The graph takes `(*parameters, *buffers, *user_inputs)` and returns
+`aot_export_module`'s graph takes `(*parameters, *buffers, *user_inputs)` and returns
 `(*new values of mutated inputs, *user_outputs[, *gradients])`; a `GraphSignature` names which
 placeholder is which parameter or buffer, which output is whose new value or gradient. Nothing runs
 around the graph, so whatever aotgrad's run time would do (apply a mutation, rebuild a view) must be
@@ -15,6 +16,7 @@ the scalar loss.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,25 +105,32 @@ def aot_export_module(
         raise UnsupportedInputError("aotgrad.aot_export_module: the module holds one tensor under two names "
                                     "(tied weights); export needs each parameter and buffer once.")
     fn = _functional_call(mod, names, len(state))
-    user_args = tuple(args)
-    leaves, in_spec = inputs_stage.flatten_call((*state, *user_args), dict(kwargs or {}))
+    leaves, in_spec = inputs_stage.flatten_call((*state, *tuple(args)), dict(kwargs or {}))
     for i, x in enumerate(leaves[len(state):]):
         if not isinstance(x, torch.Tensor):
             raise UnsupportedInputError(f"aotgrad.aot_export_module: user input {i} is a {type(x).__name__}; "
                                         "the graph takes tensors only (bind it with functools.partial).")
-    inputs_stage.check_supported(leaves)
-    layout = inputs_stage.layout_for(leaves, in_spec)
+    layout, captured = _capture_for_export(fn, leaves, in_spec, trace_joint, decompositions)
     if layout.leaf_views or any(not isinstance(s, FromLeaf) for s in layout.primal_sources) or (
         list(layout.leaf_primal) != list(range(len(leaves)))
     ):
         raise UnsupportedInputError("aotgrad.aot_export_module: inputs share memory (a tensor passed twice, "
                                     "or views of one tensor); pass independent tensors (.clone()).")
+    kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * (len(leaves) - len(state))
+    return _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, output_loss_index)
+
+
+def _capture_for_export(fn, leaves: list, spec, trace_joint: bool, decompositions: dict | None):
+    """The single capture, with no run time around it: mutations stay graph outputs."""
+    inputs_stage.check_supported(leaves)
+    layout = inputs_stage.layout_for(leaves, spec)
     primals = inputs_stage.primal_values(layout, leaves)
     with torch.enable_grad() if trace_joint else torch.no_grad():
         captured = capture(fn, layout, leaves, primals, training=trace_joint,
                            decompositions=decompositions, keep_inference_input_mutations=False)
-    kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * len(user_args)
-    return _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, output_loss_index)
+    return layout, captured
+
+
 
 
 def _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, loss_index):
@@ -278,3 +287,34 @@ def _seed_loss(graph, plan, fw_values, tangents, user_nodes, loss_index) -> None
         seed.meta["val"] = tangent.meta.get("val")
         tangent.replace_all_uses_with(seed)
         graph.erase_node(tangent)
+
+
+def aot_export_joint_simple(
+    func: Callable,
+    args,
+    *,
+    trace_joint: bool,
+    num_params_buffers: int = 0,
+    decompositions: dict | None = None,
+) -> torch.fx.GraphModule:
+    """Trace `func(*args)` into one graph with no run-time wrapping: the joint forward+backward graph
+    (`primals_*`, `tangents_*` -> forward outputs, then one gradient per input) when `trace_joint`,
+    else the forward graph. For programs that need no epilogue: no input mutations, and outputs that
+    are plain tensors not aliasing anything (anything else raises an `AotgradError`)."""
+    leaves, spec = inputs_stage.flatten_call(tuple(args), {})
+    _, captured = _capture_for_export(func, leaves, spec, trace_joint, decompositions)
+    plan = captured.plan
+    for k, m in enumerate(plan.mutations):
+        if m.any or m.in_backward:
+            raise UnsupportedMutationError(
+                f"aotgrad.aot_export_joint_simple: the program mutates graph input {k}; an exported graph "
+                "has no epilogue to apply it. Use aot_function, or clone the input first."
+            )
+    for i, src in enumerate(plan.out_sources):
+        kind = plan.fw_outputs[src.index].kind if isinstance(src, GraphOutput) else None
+        if not isinstance(kind, UserOutput) or kind.position != i:
+            raise UnsupportedOutputError(
+                f"aotgrad.aot_export_joint_simple: output {i} aliases an input or another output, or is "
+                "not a tensor; an exported graph cannot rebuild it. Return a .clone()."
+            )
+    return captured.graph
