@@ -767,6 +767,26 @@ def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
     assert torch.equal(base, torch.ones(4))
 
 
+def test_alias_check_sees_a_storage_swapped_in_between_calls():
+    """Repeated calls with the same data pointers take a cheap path (see `_pointer_reader`). Giving
+    `b` the storage of `a` between calls changes `b`'s pointer, so the full check runs again and the
+    call goes to a plan traced for the aliasing."""
+
+    def f(a, b):
+        a.add_(1)
+        return b * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aotgrad_eager")
+    x, y = torch.zeros(4), torch.ones(4)
+    for _ in range(3):
+        compiled(x, y)
+    assert torch.equal(x, torch.full((4,), 3.0))
+    y.data = x.data
+    assert torch.equal(compiled(x, y), torch.full((4,), 8.0))
+    assert torch.equal(x, torch.full((4,), 4.0))
+
+
 @pytest.mark.parametrize("program", ["mutate_then_reduce", "two_mutations", "copy_from_the_other"])
 def test_run_time_aliasing_matches_eager(program):
     """Programs upstream's inductor backend gets wrong when its inputs come to alias after the

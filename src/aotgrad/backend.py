@@ -423,10 +423,19 @@ class _AliasChecked:
             i for i, x in enumerate(leaves)
             if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
         ]
+        self.pointers_of = _pointer_reader(self.distinct, leaves, run.plan)
+        self.checked_pointers: list | None = None
 
     def __call__(self, leaves) -> Any:
         if self.distinct is not None:
+            pointers_of = self.pointers_of
+            if pointers_of is not None:
+                pointers = pointers_of(leaves)
+                if pointers == self.checked_pointers:
+                    return self.run(leaves)
             same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
+            if same and pointers_of is not None:
+                self.checked_pointers = pointers
         else:
             same = alias_key(leaves) == self.key
         if same:
@@ -434,6 +443,30 @@ class _AliasChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback()
         return self.fallback(leaves)
+
+
+def _pointer_reader(distinct: list[int] | None, leaves: list, plan) -> Callable | None:
+    """A cheaper stand-in for the storage check, for calls that repeat the last checked call's data
+    pointers (an optimizer step over the same tensors, step after step).
+
+    Why it is sound: when the last check passed, the inputs lay in distinct storages, so their
+    memory did not overlap. Dynamo's guards hold every size and stride fixed (static shapes only),
+    so the same data pointers mean the same byte ranges: still no overlap, even if a tensor was given
+    another storage meanwhile. Overlap is all a plan that only writes input data depends on; a plan
+    that changes an input's metadata or storage keeps the full check, as do symbolic shapes.
+    """
+    if not distinct or any(m.metadata or m.storage for m in plan.mutations):
+        return None
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and any(
+            isinstance(v, torch.SymInt) for v in (*x.shape, *x.stride(), x.storage_offset())
+        ):
+            return None
+    data_ptr = torch.Tensor.data_ptr
+    if len(distinct) == len(leaves):
+        return lambda leaves: list(map(data_ptr, leaves))
+    pick = operator.itemgetter(*distinct) if len(distinct) > 1 else (lambda xs: (xs[distinct[0]],))
+    return lambda leaves: list(map(data_ptr, pick(leaves)))
 
 
 def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
