@@ -749,17 +749,21 @@ def test_batchnorm_running_stats_written_by_the_training_graph(backend):
         assert len(copies) == 3  # running_mean, running_var, num_batches_tracked
 
 
-def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
-    """The plan mutates `a`; it was compiled for distinct inputs. Called with `b` a view of `a`, the
-    per-call alias check (a storage-distinctness check when nothing aliased at compile time) sends
-    the call to a plan traced for the aliasing, so `b` reads `a`'s update as in eager."""
-
+def _compiled_add_one_to_first():
     def f(a, b):
         a.add_(1)
         return b * 2
 
     torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aotgrad_eager")
+    return torch.compile(f, backend="aotgrad_eager")
+
+
+def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
+    """The plan mutates `a`; it was compiled for distinct inputs. Called with `b` a view of `a`, the
+    per-call alias check (a storage-distinctness check when nothing aliased at compile time) sends
+    the call to a plan traced for the aliasing, so `b` reads `a`'s update as in eager."""
+
+    compiled = _compiled_add_one_to_first()
     x, y = torch.zeros(4), torch.ones(4)
     assert torch.equal(compiled(x, y), torch.full((4,), 2.0)) and torch.equal(x, torch.ones(4))
     base = torch.zeros(4)
@@ -772,12 +776,7 @@ def test_alias_check_sees_a_storage_swapped_in_between_calls():
     `b` the storage of `a` between calls changes `b`'s pointer, so the full check runs again and the
     call goes to a plan traced for the aliasing."""
 
-    def f(a, b):
-        a.add_(1)
-        return b * 2
-
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aotgrad_eager")
+    compiled = _compiled_add_one_to_first()
     x, y = torch.zeros(4), torch.ones(4)
     for _ in range(3):
         compiled(x, y)
