@@ -617,6 +617,49 @@ def test_inductor_keeps_a_clone_of_a_viewed_input(complex_view):
     torch.testing.assert_close(x.detach(), before)
 
 
+def test_inductor_clone_of_an_input_region_it_writes_stays_a_copy():
+    """Inductor drops the clone (its source is a fresh value then) and its re-inplacing pass makes
+    the source the input itself: the output came back aliasing `a`. It also happens under upstream's
+    Inductor backend (fuzz seed 325, program 251, shrunk)."""
+
+    def f(a):
+        return a.split(2, 1)[1].fill_(-0.25).clone()
+
+    x, ref = torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    ref.copy_(x)
+    out, expected = torch.compile(f, backend="aotgrad")(x), f(ref)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x, ref)
+    out.add_(1)
+    torch.testing.assert_close(x, ref)
+
+
+def test_inductor_outputs_that_alias_stay_distinct_objects():
+    """Inductor removes `detach`, so a graph's two aliasing outputs can come back as one tensor:
+    a view rebuilt from the hidden base then looked like a view of the other output (fuzz seed 325,
+    program 252), and an autograd.Function marked both non-differentiable when one was (169)."""
+
+    def views(a):
+        y = a.neg()
+        return y.detach(), y.reshape(-1)
+
+    x = torch.randn(4, 1)
+    out = torch.compile(views, backend="aotgrad")(x)
+    assert out[1]._is_view() and out[1]._base is not out[0]
+    torch.testing.assert_close(out, views(x))
+
+    def grads(a):
+        s = a.reshape(4, 1).sum(0)
+        d = s.detach()
+        d.add_(d)
+        return d, s
+
+    x = torch.randn(4, requires_grad=True)
+    out, expected = torch.compile(grads, backend="aotgrad")(x), grads(x)
+    assert [(t.requires_grad, t.is_leaf) for t in out] == [(t.requires_grad, t.is_leaf) for t in expected]
+    torch.testing.assert_close(out, expected)
+
+
 def _times_rand(x):
     return torch.rand_like(x) * x.sin()
 

@@ -32,7 +32,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from .compile import CompiledForward
 from .errors import AotgradError
-from .inputs import storage_base
+from .inputs import storage_base, storage_id
 from .plan import (
     AliasOfGraphOutput,
     AliasOfLeaf,
@@ -53,6 +53,7 @@ from .plan import (
     SameAs,
     SetToOutput,
     SetToPrimal,
+    UserOutput,
     ViewChain,
     symbols_in,
 )
@@ -142,10 +143,11 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         fw.emit(f"ctx.save_for_backward(*outs[{n_out}:{n_out + n_t}])")
     if n_o:
         fw.emit(f"ctx.saved_other = outs[{n_out + n_t}:{n_out + n_t + n_o}]")
-    # A view of a graph intermediate returned from a custom Function may not be mutated in place
-    # later; the user's tensor is no view in eager, so hand autograd a non-view alias.
-    fw.globals["_non_view"] = _non_view
-    fw.emit(f"outs = {_tuple_src([f'_non_view(outs[{i}], primals)' for i in range(n_out)])}")
+    outs = [f"o{i}" for i in range(n_out)]
+    fw.emit(f"{_tuple_src(outs)} = outs[:{n_out}]")
+    names = [f"primals[{k}]" for k in range(plan.layout.num_primals)]
+    _emit_as_caller_sees(fw, plan, outs, names, "primals", _written_by_graph(plan, compiled), in_function=True)
+    fw.emit(f"outs = {_tuple_src(outs)}")
     if nondiff:
         fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
     fw.emit("return outs")
@@ -199,11 +201,82 @@ def _first_order_only(backward: Callable) -> Callable:
 
 
 def _non_view(t, primals):
+    """A view of a graph intermediate returned from a custom Function may not be mutated in place
+    later; the user's tensor is no view in eager, so hand autograd a non-view alias. (A mutated
+    input's new value may be the input itself, or a view of it.)"""
     if isinstance(t, torch.Tensor) and t._is_view():
         base = t._base
         if not any(base is p or base is p._base for p in primals):
             return t.detach()
     return t
+
+
+def _unaliased(t, written: set):
+    """`t`, a user output, or its copy if it shares memory with an input the graph wrote in place.
+    In eager it aliases no input; a graph compiler can make it one. Inductor drops the `clone` in
+    `a[2:3].fill_(0).clone()` (the clone's source is a fresh value then), and its re-inplacing pass
+    then turns that source into `a` itself."""
+    if isinstance(t, torch.Tensor) and storage_id(t) in written:
+        return t.clone()
+    return t
+
+
+def _emit_as_caller_sees(
+    src: _Source,
+    plan: Plan,
+    outs: list[str],
+    primals: list[str],
+    primals_tuple: str,
+    written: frozenset[int],
+    *,
+    in_function: bool,
+) -> None:
+    """Graph outputs as the caller may see them (`in_function`: as an autograd.Function returns them).
+
+    A hidden base of returned views gets a tensor object of its own: a graph compiler may return
+    one tensor for two outputs that alias (Inductor drops the `detach` in `y = x.neg(); return
+    y.detach(), y.view(-1)`), and the views must not come back as views of another output. No output
+    is a view of a hidden intermediate (`_non_view`), and no user output shares memory with an input
+    the graph wrote (`_unaliased`)."""
+    src.globals.update(_non_view=_non_view, _unaliased=_unaliased)
+    user = [i for i, o in enumerate(plan.fw_outputs[: len(outs)]) if isinstance(o.kind, UserOutput)]
+    if written and user:
+        sid = src.bind("storage_id", storage_id)
+        src.emit(f"_written = {{{', '.join(f'{sid}({primals[k]})' for k in sorted(written))}}}")
+    for i, name in enumerate(outs):
+        kind = plan.fw_outputs[i].kind
+        if isinstance(kind, IntermediateBase):
+            src.emit(f"{name} = {name}.detach()")
+        elif isinstance(kind, UserOutput) or in_function:
+            src.emit(f"{name} = _non_view({name}, {primals_tuple})")
+        if written and i in user:
+            src.emit(f"{name} = _unaliased({name}, _written)")
+    if len(outs) > 1:
+        _emit_distinct(src, _tuple_src(outs), len(outs))
+
+
+def _written_by_graph(plan: Plan, compiled: CompiledForward) -> frozenset[int]:
+    """Primals the compiled forward writes into (re-inplaced, or a mutation kept in the graph)."""
+    return compiled.written_in_place | {k for k, m in enumerate(plan.mutations) if m.kept_in_graph}
+
+
+def _emit_distinct(src: _Source, outs: str, n: int) -> None:
+    """Give each output its own tensor object. A graph compiler may return one tensor for two
+    outputs that are equal aliases (Inductor removes `detach` and `alias`); eager returns two
+    objects, and an autograd.Function would mark both non-differentiable if either were."""
+    src.emit(f"if len({{id(o) for o in {outs}}}) < {n}:")
+    src.emit(f"{outs} = {src.bind('distinct', _distinct_objects)}({outs})", 2)
+
+
+def _distinct_objects(outs: tuple) -> tuple:
+    seen: set[int] = set()
+    fresh = []
+    for o in outs:
+        if isinstance(o, torch.Tensor) and id(o) in seen:
+            o = o.detach()
+        seen.add(id(o))
+        fresh.append(o)
+    return tuple(fresh)
 
 
 def _contiguous(g: torch.Tensor) -> torch.Tensor:
@@ -235,11 +308,8 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
         n = compiled.num_fw_outputs
         target = _tuple_src(results) if n else "_"
         src.emit(f"{target} = {call}([{', '.join(primals)}])[:{n}]" if plan.is_training else f"{target} = {call}([{', '.join(primals)}])")
-        nv = src.bind("non_view", _non_view)
-        prim = _tuple_src(primals)
-        for s in plan.out_sources:
-            if isinstance(s, GraphOutput):  # as in make_autograd_function: no view of a hidden tensor
-                src.emit(f"r{s.index} = {nv}(r{s.index}, {prim})")
+        written = _written_by_graph(plan, compiled)
+        _emit_as_caller_sees(src, plan, results, primals, _tuple_src(primals), written, in_function=False)
     for i, o in enumerate(plan.fw_outputs):
         if isinstance(o.kind, IntermediateBase) and o.kind.leaf_requires_grad:
             src.emit(f"r{i}.requires_grad_(True)")
