@@ -89,6 +89,24 @@ def test_equal_outputs_stay_distinct_tensors():
     assert c._base is not d._base
 
 
+def test_equal_reshapes_of_a_non_contiguous_input_stay_two_copies():
+    """Each `reshape` of a non-contiguous tensor is `clone` + `_unsafe_view`, a view whose schema
+    does not say so; the two clones were merged, and the outputs shared memory (fuzz seed 288,
+    program 8399)."""
+
+    def f(x):
+        x.transpose_(0, 1)
+        return x.reshape(-1), x.reshape(-1)
+
+    def make():
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+        return (x,), (x,)
+
+    compiled = check_against_eager(f, make)
+    a, b = compiled(torch.randn(3, 4))
+    assert a.data_ptr() != b.data_ptr()
+
+
 def test_equal_gradients_stay_distinct_tensors():
     def f(x, y):
         return (x * 3).sum() + (y * 3).sum()

@@ -98,9 +98,17 @@ def _viewed(node: Node) -> Node | None:
     if node.target is operator.getitem:
         return node.args[0]
     target = node.target
+    if target in _VIEWS_WITHOUT_ALIAS_ANNOTATION:
+        return node.args[0]
     if isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns):
         return node.args[0]
     return None
+
+
+# `_unsafe_view` returns a view but its schema says it does not (so autograd treats it as a fresh
+# tensor). `reshape` of a non-contiguous tensor decomposes to `clone` + `_unsafe_view`: two such
+# reshapes returned must keep two clones.
+_VIEWS_WITHOUT_ALIAS_ANNOTATION = {torch.ops.aten._unsafe_view.default}
 
 
 def _frozen(value):
