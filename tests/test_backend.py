@@ -814,19 +814,34 @@ def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
     assert torch.equal(base, torch.ones(4))
 
 
-def test_alias_check_sees_a_storage_swapped_in_between_calls():
-    """Repeated calls with the same data pointers take a cheap path (see `_pointer_reader`). Giving
-    `b` the storage of `a` between calls changes `b`'s pointer, so the full check runs again and the
+@pytest.mark.parametrize("native", [False, True])
+def test_alias_check_sees_a_storage_swapped_in_between_calls(native, monkeypatch):
+    """Repeated calls with the same data pointers take a cheap path (see `_pointer_readers`; with
+    `native`, through torch's C++ pointer comparison of CUDA builds, stood in for here). Giving `b`
+    the storage of `a` between calls changes `b`'s pointer, so the full check runs again and the
     call goes to a plan traced for the aliasing."""
+    compared = []
+    if native:
+        def compare(tensors, pointers, indices):
+            compared.append(len(indices))
+            return all(tensors[i].data_ptr() == pointers[i] for i in indices)
 
-    compiled = _compiled_add_one_to_first()
-    x, y = torch.zeros(4), torch.ones(4)
-    for _ in range(3):
-        compiled(x, y)
-    assert torch.equal(x, torch.full((4,), 3.0))
-    y.data = x.data
-    assert torch.equal(compiled(x, y), torch.full((4,), 8.0))
-    assert torch.equal(x, torch.full((4,), 4.0))
+        monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", compare, raising=False)
+    else:
+        monkeypatch.delattr(torch._C, "_tensors_data_ptrs_at_indices_equal", raising=False)
+    backend_module._native_pointer_compare.cache_clear()
+    try:
+        compiled = _compiled_add_one_to_first()
+        x, y = torch.zeros(4), torch.ones(4)
+        for _ in range(3):
+            compiled(x, y)
+        assert torch.equal(x, torch.full((4,), 3.0))
+        y.data = x.data
+        assert torch.equal(compiled(x, y), torch.full((4,), 8.0))
+        assert torch.equal(x, torch.full((4,), 4.0))
+    finally:
+        backend_module._native_pointer_compare.cache_clear()
+    assert bool(compared) == native
 
 
 @pytest.mark.parametrize("program", ["mutate_then_reduce", "two_mutations", "copy_from_the_other"])

@@ -423,21 +423,18 @@ class _AliasChecked:
             i for i, x in enumerate(leaves)
             if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
         ]
-        self.pointers_of = _pointer_reader(self.distinct, leaves, run.plan)
-        self.checked_pointers: list | None = None
+        self.pointers_of, self.same_pointers = _pointer_readers(self.distinct, leaves, run.plan)
+        self.checked_pointers: list | None = None  # at the last call whose storages were distinct
 
     def __call__(self, leaves) -> Any:
-        if self.distinct is not None:
-            pointers_of = self.pointers_of
-            if pointers_of is not None:
-                pointers = pointers_of(leaves)
-                if pointers == self.checked_pointers:
-                    return self.run(leaves)
-            same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
-            if same and pointers_of is not None:
-                self.checked_pointers = pointers
-        else:
+        if self.distinct is None:
             same = alias_key(leaves) == self.key
+        elif self.checked_pointers is not None and self.same_pointers(leaves, self.checked_pointers):
+            return self.run(leaves)
+        else:
+            same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
+            if same and self.pointers_of is not None:
+                self.checked_pointers = self.pointers_of(leaves)
         if same:
             return self.run(leaves)
         if self.fallback is None:
@@ -445,9 +442,10 @@ class _AliasChecked:
         return self.fallback(leaves)
 
 
-def _pointer_reader(distinct: list[int] | None, leaves: list, plan) -> Callable | None:
+def _pointer_readers(distinct: list[int] | None, leaves: list, plan) -> tuple[Callable | None, Callable | None]:
     """A cheaper stand-in for the storage check, for calls that repeat the last checked call's data
-    pointers (an optimizer step over the same tensors, step after step).
+    pointers (an optimizer step over the same tensors, step after step): a function reading the
+    pointers, and one comparing them with earlier ones.
 
     Why it is sound: when the last check passed, the inputs lay in distinct storages, so their
     memory did not overlap. Dynamo's guards hold every size and stride fixed (static shapes only),
@@ -456,17 +454,51 @@ def _pointer_reader(distinct: list[int] | None, leaves: list, plan) -> Callable 
     that changes an input's metadata or storage keeps the full check, as do symbolic shapes.
     """
     if not distinct or any(m.metadata or m.storage for m in plan.mutations):
-        return None
+        return None, None
     for x in leaves:
         if isinstance(x, torch.Tensor) and any(
             isinstance(v, torch.SymInt) for v in (*x.shape, *x.stride(), x.storage_offset())
         ):
-            return None
+            return None, None
     data_ptr = torch.Tensor.data_ptr
     if len(distinct) == len(leaves):
-        return lambda leaves: list(map(data_ptr, leaves))
-    pick = operator.itemgetter(*distinct) if len(distinct) > 1 else (lambda xs: (xs[distinct[0]],))
-    return lambda leaves: list(map(data_ptr, pick(leaves)))
+        def pointers_of(leaves):
+            return list(map(data_ptr, leaves))
+
+        compare = _native_pointer_compare()
+        if compare is not None:  # one C++ loop (CUDA builds of torch)
+            everything = list(range(len(leaves)))
+
+            def same_pointers(leaves, pointers):
+                return compare(leaves if type(leaves) is list else list(leaves), pointers, everything)
+
+            return pointers_of, same_pointers
+    else:
+        pick = operator.itemgetter(*distinct) if len(distinct) > 1 else (lambda xs: (xs[distinct[0]],))
+
+        def pointers_of(leaves):
+            return list(map(data_ptr, pick(leaves)))
+
+    def same_pointers(leaves, pointers):
+        return pointers_of(leaves) == pointers
+
+    return pointers_of, same_pointers
+
+
+@functools.cache
+def _native_pointer_compare() -> Callable | None:
+    """torch's C++ "do these tensors still have these data pointers" (built for CUDA graphs; absent
+    from CPU-only builds), if it behaves as `_pointer_readers` needs: pointer k belongs to tensor k."""
+    compare = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if compare is None:
+        return None
+    a, b = torch.empty(1), torch.empty(1)
+    try:
+        if compare([a, b], [a.data_ptr(), b.data_ptr()], [1]) and not compare([a, b], [a.data_ptr(), 0], [0, 1]):
+            return compare
+    except Exception:  # another signature in another torch version
+        pass
+    return None
 
 
 def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
