@@ -146,7 +146,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     outs = [f"o{i}" for i in range(n_out)]
     fw.emit(f"{_tuple_src(outs)} = outs[:{n_out}]")
     names = [f"primals[{k}]" for k in range(plan.layout.num_primals)]
-    _emit_as_caller_sees(fw, plan, outs, names, "primals", _written_by_graph(plan, compiled), in_function=True)
+    _emit_as_caller_sees(fw, plan, compiled, outs, names, "primals", in_function=True)
     fw.emit(f"outs = {_tuple_src(outs)}")
     if nondiff:
         fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
@@ -224,10 +224,10 @@ def _unaliased(t, written: set):
 def _emit_as_caller_sees(
     src: _Source,
     plan: Plan,
+    compiled: CompiledForward,
     outs: list[str],
     primals: list[str],
     primals_tuple: str,
-    written: frozenset[int],
     *,
     in_function: bool,
 ) -> None:
@@ -239,6 +239,7 @@ def _emit_as_caller_sees(
     is a view of a hidden intermediate (`_non_view`), and no user output shares memory with an input
     the graph wrote (`_unaliased`)."""
     src.globals.update(_non_view=_non_view, _unaliased=_unaliased)
+    written = _written_by_graph(plan, compiled)
     user = [i for i, o in enumerate(plan.fw_outputs[: len(outs)]) if isinstance(o.kind, UserOutput)]
     if written and user:
         sid = src.bind("storage_id", storage_id)
@@ -251,8 +252,9 @@ def _emit_as_caller_sees(
             src.emit(f"{name} = _non_view({name}, {primals_tuple})")
         if written and i in user:
             src.emit(f"{name} = _unaliased({name}, _written)")
-    if len(outs) > 1:
-        _emit_distinct(src, _tuple_src(outs), len(outs))
+    tensors = [name for name, v in zip(outs, _output_values(compiled.fw_module)) if isinstance(v, torch.Tensor)]
+    if len(tensors) > 1:
+        _emit_distinct(src, _tuple_src(tensors), len(tensors))
 
 
 def _written_by_graph(plan: Plan, compiled: CompiledForward) -> frozenset[int]:
@@ -272,11 +274,16 @@ def _distinct_objects(outs: tuple) -> tuple:
     seen: set[int] = set()
     fresh = []
     for o in outs:
-        if isinstance(o, torch.Tensor) and id(o) in seen:
+        if id(o) in seen:
             o = o.detach()
         seen.add(id(o))
         fresh.append(o)
     return tuple(fresh)
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    """The traced value of each graph output (None where it is no node)."""
+    return [getattr(v, "meta", {}).get("val") for v in gm.graph.output_node().args[0]]
 
 
 def _contiguous(g: torch.Tensor) -> torch.Tensor:
@@ -314,8 +321,7 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
         n = compiled.num_fw_outputs
         target = _tuple_src(results) if n else "_"
         src.emit(f"{target} = {call}([{', '.join(primals)}])[:{n}]" if plan.is_training else f"{target} = {call}([{', '.join(primals)}])")
-        written = _written_by_graph(plan, compiled)
-        _emit_as_caller_sees(src, plan, results, primals, _tuple_src(primals), written, in_function=False)
+        _emit_as_caller_sees(src, plan, compiled, results, primals, _tuple_src(primals), in_function=False)
     for i, o in enumerate(plan.fw_outputs):
         if isinstance(o.kind, IntermediateBase) and o.kind.leaf_requires_grad:
             src.emit(f"r{i}.requires_grad_(True)")
