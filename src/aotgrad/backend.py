@@ -310,8 +310,18 @@ class AotgradBackend:
             # The plan mutates inputs (or merged aliased inputs): it holds only while the inputs
             # alias each other as they did at compile time. Dynamo does not guard every overlap,
             # so check it (cheaply) per call and compile per signature when it differs.
-            run = _AliasChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)))
+            run = _AliasChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
+                                sizes_asserted=self._compiled_code_asserts_input_sizes())
         return _no_dynamo(_bind_state(run, state))
+
+    def _compiled_code_asserts_input_sizes(self) -> bool:
+        """Whether the compiled graphs check their inputs' sizes and strides before computing
+        (Inductor's input asserts, on by default), which `_pointer_readers` relies on."""
+        if not self.use_inductor:
+            return False
+        from torch._inductor import config as inductor_config
+
+        return bool(inductor_config.size_asserts)
 
     def _compile_now(self, fn, leaves: list, *, symbolic: bool) -> Callable:
         spec = pytree.tree_flatten((tuple(leaves), {}))[1]
@@ -414,7 +424,7 @@ def _ignoring_anchors(fn: Callable, n: int) -> Callable:
 class _AliasChecked:
     """Run the shape-generic plan while the inputs alias as at compile time, else per signature."""
 
-    def __init__(self, run: Callable, leaves: list, make_fallback: Callable):
+    def __init__(self, run: Callable, leaves: list, make_fallback: Callable, *, sizes_asserted: bool):
         self.run, self.key, self.make_fallback = run, alias_key(leaves), make_fallback
         self.fallback = None
         # No two inputs shared memory at compile time (the common case, e.g. an optimizer step over a
@@ -423,7 +433,9 @@ class _AliasChecked:
             i for i, x in enumerate(leaves)
             if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
         ]
-        self.pointers_of, self.same_pointers = _pointer_readers(self.distinct, leaves, run.plan)
+        self.pointers_of, self.same_pointers = (
+            _pointer_readers(self.distinct, leaves, run.plan) if sizes_asserted else (None, None)
+        )
         self.checked_pointers: list | None = None  # at the last call whose storages were distinct
 
     def __call__(self, leaves) -> Any:
@@ -448,10 +460,13 @@ def _pointer_readers(distinct: list[int] | None, leaves: list, plan) -> tuple[Ca
     pointers, and one comparing them with earlier ones.
 
     Why it is sound: when the last check passed, the inputs lay in distinct storages, so their
-    memory did not overlap. Dynamo's guards hold every size and stride fixed (static shapes only),
-    so the same data pointers mean the same byte ranges: still no overlap, even if a tensor was given
-    another storage meanwhile. Overlap is all a plan that only writes input data depends on; a plan
-    that changes an input's metadata or storage keeps the full check, as do symbolic shapes.
+    memory did not overlap. With static shapes, the same data pointers with the same sizes and
+    strides mean the same byte ranges: still no overlap, even if a tensor was given another storage
+    meanwhile. Dynamo guards the sizes of ordinary inputs but matches an optimizer's parameters and
+    state by identity only and `.grad` by presence, so the sizes are the compiled code's to check:
+    only used where it does (Inductor's input asserts, run before any kernel; see
+    `_compiled_code_asserts_input_sizes`). Overlap is all a plan that only writes input data depends
+    on; a plan that changes an input's metadata or storage keeps the full check, as do symbolic shapes.
     """
     if not distinct or any(m.metadata or m.storage for m in plan.mutations):
         return None, None
