@@ -820,7 +820,7 @@ def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
 
 @pytest.mark.parametrize("backend,native", [("aotgrad", False), ("aotgrad", True), ("aotgrad_eager", True)])
 def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, native, monkeypatch):
-    """Repeated calls with the same data pointers take a cheap path (see `_pointer_readers`; with
+    """Repeated calls with the same data pointers take a cheap path (see `_pointer_memo`; with
     `native`, through torch's C++ pointer comparison of CUDA builds, stood in for here). Giving `b`
     the storage of `a` between calls changes `b`'s pointer, so the full check runs again and the
     call goes to a plan traced for the aliasing. The cheap path needs compiled code that asserts its
@@ -849,6 +849,34 @@ def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, native, mo
     finally:
         backend_module._native_pointer_compare.cache_clear()
     assert bool(compared) == (native and backend == "aotgrad")
+
+
+def test_alias_check_stops_reading_pointers_that_change_per_call(monkeypatch):
+    """A loop that hands the graph new tensors each call (gradients set to None between optimizer
+    steps) would pay for reading the pointers on top of the storage check: once they changed
+    between two passing calls, only the storage check runs, and it still reroutes aliasing."""
+    compared = []
+
+    def compare(tensors, pointers, indices):
+        compared.append(len(indices))
+        return all(tensors[i].data_ptr() == pointers[i] for i in indices)
+
+    monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", compare, raising=False)
+    backend_module._native_pointer_compare.cache_clear()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(_add_one_to_first, backend="aotgrad")
+        x, x_ref = torch.zeros(4), torch.zeros(4)
+        ys = [torch.full((4,), float(k)) for k in range(4)]  # all alive: distinct pointers
+        torch.testing.assert_close(compiled(x, ys[0]), _add_one_to_first(x_ref, ys[0].clone()))
+        compared.clear()  # the stand-in's self-test at compile time
+        for y in ys[1:]:
+            torch.testing.assert_close(compiled(x, y), _add_one_to_first(x_ref, y.clone()))
+        assert len(compared) == 1  # the second call's comparison failed; none after it
+        torch.testing.assert_close(compiled(x, x.view(4)), _add_one_to_first(x_ref, x_ref.view(4)))
+        torch.testing.assert_close(x, x_ref)
+    finally:
+        backend_module._native_pointer_compare.cache_clear()
 
 
 @pytest.mark.parametrize("program", ["mutate_then_reduce", "two_mutations", "copy_from_the_other"])

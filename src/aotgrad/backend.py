@@ -316,7 +316,7 @@ class AotgradBackend:
 
     def _compiled_code_asserts_input_sizes(self) -> bool:
         """Whether the compiled graphs check their inputs' sizes and strides before computing
-        (Inductor's input asserts, on by default), which `_pointer_readers` relies on."""
+        (Inductor's input asserts, on by default), which `_pointer_memo` relies on."""
         if not self.use_inductor:
             return False
         from torch._inductor import config as inductor_config
@@ -433,20 +433,23 @@ class _AliasChecked:
             i for i, x in enumerate(leaves)
             if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
         ]
-        self.pointers_of, self.same_pointers = (
-            _pointer_readers(self.distinct, leaves, run.plan) if sizes_asserted else (None, None)
-        )
-        self.checked_pointers: list | None = None  # at the last call whose storages were distinct
+        self.pointers = _pointer_memo(self.distinct, leaves, run.plan) if sizes_asserted else None
 
     def __call__(self, leaves) -> Any:
         if self.distinct is None:
             same = alias_key(leaves) == self.key
-        elif self.checked_pointers is not None and self.same_pointers(leaves, self.checked_pointers):
+        elif self.pointers is not None and self.pointers.repeats(leaves):
             return self.run(leaves)
         else:
             same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
-            if same and self.pointers_of is not None:
-                self.checked_pointers = self.pointers_of(leaves)
+            if same and self.pointers is not None:
+                if self.pointers.passed is None:
+                    self.pointers.remember(leaves)
+                else:
+                    # The pointers changed between passing calls: a loop that makes new gradients
+                    # each step (`zero_grad()` sets them to None). There, reading the pointers only
+                    # adds to the storage check (60-80 us per AdamW step over GPT-2, cold caches).
+                    self.pointers = None
         if same:
             return self.run(leaves)
         if self.fallback is None:
@@ -454,10 +457,9 @@ class _AliasChecked:
         return self.fallback(leaves)
 
 
-def _pointer_readers(distinct: list[int] | None, leaves: list, plan) -> tuple[Callable | None, Callable | None]:
-    """A cheaper stand-in for the storage check, for calls that repeat the last checked call's data
-    pointers (an optimizer step over the same tensors, step after step): a function reading the
-    pointers, and one comparing them with earlier ones.
+def _pointer_memo(distinct: list[int] | None, leaves: list, plan) -> _PointersRead | _PointersComparedNatively | None:
+    """A cheaper stand-in for the storage check, for calls that repeat the data pointers of the last
+    call that passed it (an optimizer step over the same tensors, step after step).
 
     Why it is sound: when the last check passed, the inputs lay in distinct storages, so their
     memory did not overlap. With static shapes, the same data pointers with the same sizes and
@@ -469,41 +471,64 @@ def _pointer_readers(distinct: list[int] | None, leaves: list, plan) -> tuple[Ca
     on; a plan that changes an input's metadata or storage keeps the full check, as do symbolic shapes.
     """
     if not distinct or any(m.metadata or m.storage for m in plan.mutations):
-        return None, None
+        return None
     for x in leaves:
         if isinstance(x, torch.Tensor) and any(
             isinstance(v, torch.SymInt) for v in (*x.shape, *x.stride(), x.storage_offset())
         ):
-            return None, None
+            return None
     data_ptr = torch.Tensor.data_ptr
     if len(distinct) == len(leaves):
-        def pointers_of(leaves):
+        def read(leaves):
             return list(map(data_ptr, leaves))
 
         compare = _native_pointer_compare()
-        if compare is not None:  # one C++ loop (CUDA builds of torch)
-            everything = list(range(len(leaves)))
-
-            def same_pointers(leaves, pointers):
-                return compare(leaves if type(leaves) is list else list(leaves), pointers, everything)
-
-            return pointers_of, same_pointers
+        if compare is not None:
+            return _PointersComparedNatively(read, compare, len(leaves))
     else:
         pick = operator.itemgetter(*distinct) if len(distinct) > 1 else (lambda xs: (xs[distinct[0]],))
 
-        def pointers_of(leaves):
+        def read(leaves):
             return list(map(data_ptr, pick(leaves)))
 
-    def same_pointers(leaves, pointers):
-        return pointers_of(leaves) == pointers
+    return _PointersRead(read)
 
-    return pointers_of, same_pointers
+
+class _PointersRead:
+    """Pointers read once per call: compared with those of the last call that passed the storage
+    check, and kept when this call passes it."""
+
+    def __init__(self, read: Callable):
+        self.read, self.passed, self.now = read, None, None
+
+    def repeats(self, leaves) -> bool:
+        self.now = self.read(leaves)
+        return self.now == self.passed
+
+    def remember(self, leaves) -> None:
+        self.passed = self.now
+
+
+class _PointersComparedNatively:
+    """Pointers compared in one C++ call (CUDA builds of torch), read only when a call passes the
+    storage check."""
+
+    def __init__(self, read: Callable, compare: Callable, n: int):
+        self.read, self.compare, self.everything, self.passed = read, compare, list(range(n)), None
+
+    def repeats(self, leaves) -> bool:
+        if self.passed is None:
+            return False
+        return self.compare(leaves if type(leaves) is list else list(leaves), self.passed, self.everything)
+
+    def remember(self, leaves) -> None:
+        self.passed = self.read(leaves)
 
 
 @functools.cache
 def _native_pointer_compare() -> Callable | None:
     """torch's C++ "do these tensors still have these data pointers" (built for CUDA graphs; absent
-    from CPU-only builds), if it behaves as `_pointer_readers` needs: pointer k belongs to tensor k."""
+    from CPU-only builds), if it behaves as `_pointer_memo` needs: pointer k belongs to tensor k."""
     compare = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
     if compare is None:
         return None
