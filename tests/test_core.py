@@ -136,6 +136,29 @@ def test_double_backward_is_refused_not_silently_first_order():
     torch.testing.assert_close(g, x.cos())
 
 
+def test_output_modified_in_place_then_backward_through_another_output_is_explained():
+    """`tanh` saves its output and a view of it is returned. Modified in place, then backward through
+    the other output: eager never reaches the node that saved it, but aotgrad's one backward node
+    covers both outputs, so autograd's version check fails. aotgrad says why and what to do (known
+    limitation), and the suggested clone works as in eager."""
+
+    def f(x, y):
+        return y * 2, x.tanh()[1:]
+
+    def run(fn, clone):
+        x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        z, v = fn(x, y)
+        (v.clone() if clone else v).add_(3)
+        z.sum().backward()
+        return y.grad
+
+    compiled = aot_function(f, nop)
+    with pytest.raises(aotgrad.AotgradError, match=r"modified in place after the forward.*\.clone\(\)"):
+        run(compiled, clone=False)
+    assert torch.equal(run(f, clone=False), torch.full((3,), 2.0))
+    assert torch.equal(run(compiled, clone=True), run(f, clone=True))
+
+
 def test_saved_tensor_hooks_see_the_run_time_tensors_not_the_trace():
     """Hooks that offload activations (here: to numpy) run on what the compiled forward saves;
     the trace, which runs under the hooks on the first call, must not hand them functional tensors."""

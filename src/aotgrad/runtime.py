@@ -172,7 +172,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     return type(
         "CompiledFunction",
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(_first_order_only(backward))},
+        {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward))},
     )
 
 
@@ -183,10 +183,16 @@ def _scattered_into(gm: torch.fx.GraphModule) -> set[int]:
             if n.args and n.args[0] in placeholders}
 
 
-def _first_order_only(backward: Callable) -> Callable:
-    """The compiled backward graph is not differentiable. Under `create_graph=True` eager would
-    record its gradients' history; refuse rather than return gradients with none (a gradient
-    penalty built on them would silently lose its second-order term)."""
+def _guarded_backward(backward: Callable) -> Callable:
+    """The backward as autograd calls it, refusing what it cannot do and explaining what it refuses.
+
+    - The compiled backward graph is not differentiable. Under `create_graph=True` eager would
+      record its gradients' history; refuse rather than return gradients with none (a gradient
+      penalty built on them would silently lose its second-order term).
+    - A saved tensor modified in place since the forward (an output, a view of one, an input):
+      autograd's version check fails. Eager checks a saved tensor only when the gradient reaches
+      the node that saved it; this one node computes the gradients of all of the graph's outputs,
+      so it fails whenever any of them gets a gradient. Say so, and what to do."""
 
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
@@ -195,7 +201,18 @@ def _first_order_only(backward: Callable) -> Callable:
                 "function: its compiled backward graph is not differentiable. Run this function eagerly "
                 "where you need higher-order gradients, or call backward without create_graph."
             )
-        return backward(ctx, *grads)
+        try:
+            return backward(ctx, *grads)
+        except RuntimeError as e:
+            if isinstance(e, AotgradError) or "modified by an inplace operation" not in str(e):
+                raise
+            raise AotgradError(
+                f"{e}\naotgrad: a tensor the compiled forward saved for the backward (an output of the "
+                "compiled function, a view of one, or an input) was modified in place after the forward. "
+                "aotgrad's backward computes the gradients of all of the compiled graph's outputs at once, "
+                "so it needs the saved value whenever any of them gets a gradient (eager: only when that "
+                "tensor's own gradient path does). Modify a .clone() of the output instead."
+            ) from e
 
     return wrapper
 
