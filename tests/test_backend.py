@@ -853,8 +853,8 @@ def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, native, mo
 
 def test_alias_check_stops_reading_pointers_that_change_per_call(monkeypatch):
     """A loop that hands the graph new tensors each call (gradients set to None between optimizer
-    steps) would pay for reading the pointers on top of the storage check: once they changed
-    between two passing calls, only the storage check runs, and it still reroutes aliasing."""
+    steps) would pay for reading the pointers on top of the storage check: once they have changed
+    a few times between passing calls, only the storage check runs, and it still reroutes aliasing."""
     compared = []
 
     def compare(tensors, pointers, indices):
@@ -867,12 +867,13 @@ def test_alias_check_stops_reading_pointers_that_change_per_call(monkeypatch):
         torch._dynamo.reset()
         compiled = torch.compile(_add_one_to_first, backend="aotgrad")
         x, x_ref = torch.zeros(4), torch.zeros(4)
-        ys = [torch.full((4,), float(k)) for k in range(4)]  # all alive: distinct pointers
+        ys = [torch.full((4,), float(k)) for k in range(6)]  # all alive: distinct pointers
         torch.testing.assert_close(compiled(x, ys[0]), _add_one_to_first(x_ref, ys[0].clone()))
         compared.clear()  # the stand-in's self-test at compile time
         for y in ys[1:]:
             torch.testing.assert_close(compiled(x, y), _add_one_to_first(x_ref, y.clone()))
-        assert len(compared) == 1  # the second call's comparison failed; none after it
+        tolerated = backend_module._POINTER_CHANGES_TOLERATED
+        assert len(compared) == tolerated  # each failed; none after the last tolerated change
         torch.testing.assert_close(compiled(x, x.view(4)), _add_one_to_first(x_ref, x_ref.view(4)))
         torch.testing.assert_close(x, x_ref)
     finally:

@@ -421,6 +421,11 @@ def _ignoring_anchors(fn: Callable, n: int) -> Callable:
     return call
 
 
+# A few changes (a checkpoint loaded, state rebuilt) keep the pointer path; more mean a loop that
+# makes new tensors every call.
+_POINTER_CHANGES_TOLERATED = 3
+
+
 class _AliasChecked:
     """Run the shape-generic plan while the inputs alias as at compile time, else per signature."""
 
@@ -434,6 +439,7 @@ class _AliasChecked:
             if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
         ]
         self.pointers = _pointer_memo(self.distinct, leaves, run.plan) if sizes_asserted else None
+        self.pointer_changes = 0  # passing calls whose pointers differed from the last passing call's
 
     def __call__(self, leaves) -> Any:
         if self.distinct is None:
@@ -443,12 +449,14 @@ class _AliasChecked:
         else:
             same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
             if same and self.pointers is not None:
-                if self.pointers.passed is None:
+                if self.pointers.passed is not None:
+                    self.pointer_changes += 1
+                if self.pointer_changes < _POINTER_CHANGES_TOLERATED:
                     self.pointers.remember(leaves)
                 else:
-                    # The pointers changed between passing calls: a loop that makes new gradients
-                    # each step (`zero_grad()` sets them to None). There, reading the pointers only
-                    # adds to the storage check (60-80 us per AdamW step over GPT-2, cold caches).
+                    # The pointers change from call to call: a loop that makes new gradients each
+                    # step (`zero_grad()` sets them to None). There, reading them only adds to the
+                    # storage check (60-80 us per AdamW step over GPT-2, cold caches).
                     self.pointers = None
         if same:
             return self.run(leaves)
