@@ -439,7 +439,6 @@ class _AliasChecked:
             if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
         ]
         self.pointers = _pointer_memo(self.distinct, leaves, run.plan) if sizes_asserted else None
-        self.pointer_changes = 0  # passing calls whose pointers differed from the last passing call's
 
     def __call__(self, leaves) -> Any:
         if self.distinct is None:
@@ -448,16 +447,8 @@ class _AliasChecked:
             return self.run(leaves)
         else:
             same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
-            if same and self.pointers is not None:
-                if self.pointers.passed is not None:
-                    self.pointer_changes += 1
-                if self.pointer_changes < _POINTER_CHANGES_TOLERATED:
-                    self.pointers.remember(leaves)
-                else:
-                    # The pointers change from call to call: a loop that makes new gradients each
-                    # step (`zero_grad()` sets them to None). There, reading them only adds to the
-                    # storage check (60-80 us per AdamW step over GPT-2, cold caches).
-                    self.pointers = None
+            if same and self.pointers is not None and not self.pointers.remember(leaves):
+                self.pointers = None
         if same:
             return self.run(leaves)
         if self.fallback is None:
@@ -465,7 +456,7 @@ class _AliasChecked:
         return self.fallback(leaves)
 
 
-def _pointer_memo(distinct: list[int] | None, leaves: list, plan) -> _PointersRead | _PointersComparedNatively | None:
+def _pointer_memo(distinct: list[int] | None, leaves: list, plan) -> _PointerMemo | None:
     """A cheaper stand-in for the storage check, for calls that repeat the data pointers of the last
     call that passed it (an optimizer step over the same tensors, step after step).
 
@@ -502,35 +493,52 @@ def _pointer_memo(distinct: list[int] | None, leaves: list, plan) -> _PointersRe
     return _PointersRead(read)
 
 
-class _PointersRead:
-    """Pointers read once per call: compared with those of the last call that passed the storage
-    check, and kept when this call passes it."""
+class _PointerMemo:
+    """The pointers of the last call that passed the storage check. `remember` (after a passing
+    call whose pointers did not repeat) answers whether the memo is still worth keeping: after a few
+    changes, the pointers change from call to call (a loop that makes new gradients each step, as
+    `zero_grad()` sets them to None), and reading them only adds to the storage check (60-80 us per
+    AdamW step over GPT-2, cold caches)."""
 
     def __init__(self, read: Callable):
-        self.read, self.passed, self.now = read, None, None
+        self.read, self.passed, self.changes = read, None, 0
+
+    def remember(self, leaves) -> bool:
+        if self.passed is not None:
+            self.changes += 1
+        if self.changes >= _POINTER_CHANGES_TOLERATED:
+            return False
+        self.passed = self._pointers_now(leaves)
+        return True
+
+    def _pointers_now(self, leaves) -> list:
+        return self.read(leaves)
+
+
+class _PointersRead(_PointerMemo):
+    """Pointers read once per call: compared with the remembered ones, and kept if the call passes."""
+
+    now = None
 
     def repeats(self, leaves) -> bool:
         self.now = self.read(leaves)
         return self.now == self.passed
 
-    def remember(self, leaves) -> None:
-        self.passed = self.now
+    def _pointers_now(self, leaves) -> list:
+        return self.now
 
 
-class _PointersComparedNatively:
-    """Pointers compared in one C++ call (CUDA builds of torch), read only when a call passes the
-    storage check."""
+class _PointersComparedNatively(_PointerMemo):
+    """Pointers compared in one C++ call (CUDA builds of torch), read only when a call passes."""
 
     def __init__(self, read: Callable, compare: Callable, n: int):
-        self.read, self.compare, self.everything, self.passed = read, compare, list(range(n)), None
+        super().__init__(read)
+        self.compare, self.everything = compare, list(range(n))
 
     def repeats(self, leaves) -> bool:
         if self.passed is None:
             return False
         return self.compare(leaves if type(leaves) is list else list(leaves), self.passed, self.everything)
-
-    def remember(self, leaves) -> None:
-        self.passed = self.read(leaves)
 
 
 @functools.cache
