@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import aotgrad
 
 backend_module = sys.modules["aotgrad.backend"]
+alias_check = sys.modules["aotgrad.alias_check"]
 
 
 @pytest.fixture(autouse=True)
@@ -818,66 +819,94 @@ def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
     assert torch.equal(base, torch.ones(4))
 
 
-@pytest.mark.parametrize("backend,native", [("aotgrad", False), ("aotgrad", True), ("aotgrad_eager", True)])
-def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, native, monkeypatch):
-    """Repeated calls with the same data pointers take a cheap path (see `_pointer_memo`; with
-    `native`, through torch's C++ pointer comparison of CUDA builds, stood in for here). Giving `b`
-    the storage of `a` between calls changes `b`'s pointer, so the full check runs again and the
-    call goes to a plan traced for the aliasing. The cheap path needs compiled code that asserts its
-    inputs' sizes (Inductor's), so the nop compilers of aotgrad_eager never take it."""
-    compared = []
-    if native:
-        def compare(tensors, pointers, indices):
-            compared.append(len(indices))
-            return all(tensors[i].data_ptr() == pointers[i] for i in indices)
+@pytest.fixture
+def overlap_checks(monkeypatch):
+    """Count the calls of the C++ overlap check (`alias_check._disjoint_ranges_kernel`), built
+    afresh for the test; with `overlap_checks.unavailable()`, as where it cannot be built."""
 
-        monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", compare, raising=False)
-    else:
-        monkeypatch.delattr(torch._C, "_tensors_data_ptrs_at_indices_equal", raising=False)
-    backend_module._native_pointer_compare.cache_clear()
-    try:
-        torch._dynamo.reset()
-        compiled = torch.compile(_add_one_to_first, backend=backend)
-        x, y = torch.zeros(4), torch.ones(4)
-        x_ref, y_ref = x.clone(), y.clone()
-        for _ in range(3):
-            torch.testing.assert_close(compiled(x, y), _add_one_to_first(x_ref, y_ref))
-        torch.testing.assert_close(x, x_ref)
-        y.data, y_ref.data = x.data, x_ref.data
-        torch.testing.assert_close(compiled(x, y), _add_one_to_first(x_ref, y_ref))  # 2 * (3 + 1)
-        torch.testing.assert_close((x, y), (x_ref, y_ref))
-    finally:
-        backend_module._native_pointer_compare.cache_clear()
-    assert bool(compared) == (native and backend == "aotgrad")
+    class Counter:
+        calls = 0
+
+        def unavailable(self):
+            monkeypatch.setattr(alias_check, "_build_disjoint_ranges_kernel", lambda n: None)
+
+    counter = Counter()
+    real_build = alias_check._build_disjoint_ranges_kernel
+
+    def counted_build(n):
+        kernel = real_build(n)
+        assert kernel is not None, "the C++ overlap check did not build"
+
+        def check(*args):
+            counter.calls += 1
+            return kernel(*args)
+
+        return check
+
+    monkeypatch.setattr(alias_check, "_builds", {})
+    monkeypatch.setattr(alias_check, "_build_disjoint_ranges_kernel", counted_build)
+    return counter
 
 
-def test_alias_check_stops_reading_pointers_that_change_per_call(monkeypatch):
-    """A loop that hands the graph new tensors each call (gradients set to None between optimizer
-    steps) would pay for reading the pointers on top of the storage check: once they have changed
-    a few times between passing calls, only the storage check runs, and it still reroutes aliasing."""
-    compared = []
+def _compile_and_build(f, backend, *args):
+    """Compile `f` for `args`, then wait until its overlap check is built."""
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend)
+    compiled(*args)
+    alias_check.wait_for_builds()
+    return compiled
 
-    def compare(tensors, pointers, indices):
-        compared.append(len(indices))
-        return all(tensors[i].data_ptr() == pointers[i] for i in indices)
 
-    monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", compare, raising=False)
-    backend_module._native_pointer_compare.cache_clear()
-    try:
-        torch._dynamo.reset()
-        compiled = torch.compile(_add_one_to_first, backend="aotgrad")
-        x, x_ref = torch.zeros(4), torch.zeros(4)
-        ys = [torch.full((4,), float(k)) for k in range(6)]  # all alive: distinct pointers
-        torch.testing.assert_close(compiled(x, ys[0]), _add_one_to_first(x_ref, ys[0].clone()))
-        compared.clear()  # the stand-in's self-test at compile time
-        for y in ys[1:]:
-            torch.testing.assert_close(compiled(x, y), _add_one_to_first(x_ref, y.clone()))
-        tolerated = backend_module._POINTER_CHANGES_TOLERATED
-        assert len(compared) == tolerated  # each failed; none after the last tolerated change
-        torch.testing.assert_close(compiled(x, x.view(4)), _add_one_to_first(x_ref, x_ref.view(4)))
-        torch.testing.assert_close(x, x_ref)
-    finally:
-        backend_module._native_pointer_compare.cache_clear()
+def _add_to_one_double_other(a, b):
+    """Its code compiled for distinct inputs (Inductor's too) is wrong for inputs that share memory."""
+    a.add_(1)
+    b.mul_(2)
+    return a + b
+
+
+@pytest.mark.parametrize("backend,built", [("aotgrad", True), ("aotgrad", False), ("aotgrad_eager", False)])
+def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, built, overlap_checks):
+    """Giving `b` the storage of `a` between calls (Dynamo's guards do not see it) must send the call
+    to a plan traced for the aliasing, whichever check runs: the C++ check of byte ranges (only
+    where the compiled code asserts its inputs' sizes, as Inductor's does; not the nop compilers of
+    aotgrad_eager), or the storage check where that check could not be built."""
+    if not built:
+        overlap_checks.unavailable()
+    x, y = torch.zeros(4), torch.ones(4)
+    x_ref, y_ref = x.clone(), y.clone()
+    compiled = _compile_and_build(_add_to_one_double_other, backend, x, y)
+    _add_to_one_double_other(x_ref, y_ref)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x, y), _add_to_one_double_other(x_ref, y_ref))
+    torch.testing.assert_close(x, x_ref)
+    y.data, y_ref.data = x.data, x_ref.data
+    torch.testing.assert_close(compiled(x, y), _add_to_one_double_other(x_ref, y_ref))
+    torch.testing.assert_close((x, y), (x_ref, y_ref))
+    assert (overlap_checks.calls == 4) == (built and backend == "aotgrad")
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_alias_check_of_views_of_one_storage(built, overlap_checks, monkeypatch):
+    """Two views of one storage that share no byte need no plan of their own: the C++ check of
+    byte ranges lets them through to the compiled graph; the storage check, stricter, sends them to
+    a plan traced for their aliasing. Views that share bytes get such a plan either way."""
+    if not built:
+        overlap_checks.unavailable()
+    traced_for_aliasing = []
+
+    class CountedPerShape(backend_module._PerShape):
+        def __init__(self, *args):
+            traced_for_aliasing.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(backend_module, "_PerShape", CountedPerShape)
+    compiled = _compile_and_build(_add_to_one_double_other, "aotgrad", torch.zeros(4), torch.ones(4))
+    for start_of_b, traced in [(4, 0 if built else 1), (3, 1)]:  # disjoint, then sharing a float
+        base, base_ref = torch.arange(8.0), torch.arange(8.0)
+        b, b_ref = base[start_of_b:start_of_b + 4], base_ref[start_of_b:start_of_b + 4]
+        torch.testing.assert_close(compiled(base[:4], b), _add_to_one_double_other(base_ref[:4], b_ref))
+        torch.testing.assert_close(base, base_ref)
+        assert len(traced_for_aliasing) == traced
 
 
 @pytest.mark.parametrize("program", ["mutate_then_reduce", "two_mutations", "copy_from_the_other"])

@@ -60,6 +60,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from . import config
+from .alias_check import AliasChecked
 from .api import (
     AOTConfig,
     CompiledFunction,
@@ -71,7 +72,6 @@ from .api import (
 from .compile import placeholder_values
 from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
-from .inputs import alias_key, is_wrapper, storage_id
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
 from .plan import symbols_in
@@ -310,13 +310,13 @@ class AotgradBackend:
             # The plan mutates inputs (or merged aliased inputs): it holds only while the inputs
             # alias each other as they did at compile time. Dynamo does not guard every overlap,
             # so check it (cheaply) per call and compile per signature when it differs.
-            run = _AliasChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
-                                sizes_asserted=self._compiled_code_asserts_input_sizes())
+            run = AliasChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
+                               sizes_asserted=self._compiled_code_asserts_input_sizes())
         return _no_dynamo(_bind_state(run, state))
 
     def _compiled_code_asserts_input_sizes(self) -> bool:
         """Whether the compiled graphs check their inputs' sizes and strides before computing
-        (Inductor's input asserts, on by default), which `_pointer_memo` relies on."""
+        (Inductor's input asserts, on by default), which `alias_check._ranges_decide` relies on."""
         if not self.use_inductor:
             return False
         from torch._inductor import config as inductor_config
@@ -419,142 +419,6 @@ def _ignoring_anchors(fn: Callable, n: int) -> Callable:
         return fn(*args[:n])
 
     return call
-
-
-# A few changes (a checkpoint loaded, state rebuilt) keep the pointer path; more mean a loop that
-# makes new tensors every call.
-_POINTER_CHANGES_TOLERATED = 3
-
-
-class _AliasChecked:
-    """Run the shape-generic plan while the inputs alias as at compile time, else per signature."""
-
-    def __init__(self, run: Callable, leaves: list, make_fallback: Callable, *, sizes_asserted: bool):
-        self.run, self.key, self.make_fallback = run, alias_key(leaves), make_fallback
-        self.fallback = None
-        # No two inputs shared memory at compile time (the common case, e.g. an optimizer step over a
-        # few hundred tensors): then "all storages distinct" is the same check, at a fifth of the cost.
-        self.distinct = None if self.key else [
-            i for i, x in enumerate(leaves)
-            if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
-        ]
-        self.pointers = _pointer_memo(self.distinct, leaves, run.plan) if sizes_asserted else None
-
-    def __call__(self, leaves) -> Any:
-        if self.distinct is None:
-            same = alias_key(leaves) == self.key
-        elif self.pointers is not None and self.pointers.repeats(leaves):
-            return self.run(leaves)
-        else:
-            same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
-            if same and self.pointers is not None and not self.pointers.remember(leaves):
-                self.pointers = None
-        if same:
-            return self.run(leaves)
-        if self.fallback is None:
-            self.fallback = self.make_fallback()
-        return self.fallback(leaves)
-
-
-def _pointer_memo(distinct: list[int] | None, leaves: list, plan) -> _PointerMemo | None:
-    """A cheaper stand-in for the storage check, for calls that repeat the data pointers of the last
-    call that passed it (an optimizer step over the same tensors, step after step).
-
-    Why it is sound: when the last check passed, the inputs lay in distinct storages, so their
-    memory did not overlap. With static shapes, the same data pointers with the same sizes and
-    strides mean the same byte ranges: still no overlap, even if a tensor was given another storage
-    meanwhile. Dynamo guards the sizes of ordinary inputs but matches an optimizer's parameters and
-    state by identity only and `.grad` by presence, so the sizes are the compiled code's to check:
-    only used where it does (Inductor's input asserts, run before any kernel; see
-    `_compiled_code_asserts_input_sizes`). Overlap is all a plan that only writes input data depends
-    on; a plan that changes an input's metadata or storage keeps the full check, as do symbolic shapes.
-    """
-    if not distinct or any(m.metadata or m.storage for m in plan.mutations):
-        return None
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and any(
-            isinstance(v, torch.SymInt) for v in (*x.shape, *x.stride(), x.storage_offset())
-        ):
-            return None
-    data_ptr = torch.Tensor.data_ptr
-    if len(distinct) == len(leaves):
-        def read(leaves):
-            return list(map(data_ptr, leaves))
-
-        compare = _native_pointer_compare()
-        if compare is not None:
-            return _PointersComparedNatively(read, compare, len(leaves))
-    else:
-        pick = operator.itemgetter(*distinct) if len(distinct) > 1 else (lambda xs: (xs[distinct[0]],))
-
-        def read(leaves):
-            return list(map(data_ptr, pick(leaves)))
-
-    return _PointersRead(read)
-
-
-class _PointerMemo:
-    """The pointers of the last call that passed the storage check. `remember` (after a passing
-    call whose pointers did not repeat) answers whether the memo is still worth keeping: after a few
-    changes, the pointers change from call to call (a loop that makes new gradients each step, as
-    `zero_grad()` sets them to None), and reading them only adds to the storage check (60-80 us per
-    AdamW step over GPT-2, cold caches)."""
-
-    def __init__(self, read: Callable):
-        self.read, self.passed, self.changes = read, None, 0
-
-    def remember(self, leaves) -> bool:
-        if self.passed is not None:
-            self.changes += 1
-        if self.changes >= _POINTER_CHANGES_TOLERATED:
-            return False
-        self.passed = self._pointers_now(leaves)
-        return True
-
-    def _pointers_now(self, leaves) -> list:
-        return self.read(leaves)
-
-
-class _PointersRead(_PointerMemo):
-    """Pointers read once per call: compared with the remembered ones, and kept if the call passes."""
-
-    now = None
-
-    def repeats(self, leaves) -> bool:
-        self.now = self.read(leaves)
-        return self.now == self.passed
-
-    def _pointers_now(self, leaves) -> list:
-        return self.now
-
-
-class _PointersComparedNatively(_PointerMemo):
-    """Pointers compared in one C++ call (CUDA builds of torch), read only when a call passes."""
-
-    def __init__(self, read: Callable, compare: Callable, n: int):
-        super().__init__(read)
-        self.compare, self.everything = compare, list(range(n))
-
-    def repeats(self, leaves) -> bool:
-        if self.passed is None:
-            return False
-        return self.compare(leaves if type(leaves) is list else list(leaves), self.passed, self.everything)
-
-
-@functools.cache
-def _native_pointer_compare() -> Callable | None:
-    """torch's C++ "do these tensors still have these data pointers" (built for CUDA graphs; absent
-    from CPU-only builds), if it behaves as `_pointer_memo` needs: pointer k belongs to tensor k."""
-    compare = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if compare is None:
-        return None
-    a, b = torch.empty(1), torch.empty(1)
-    try:
-        if compare([a, b], [a.data_ptr(), b.data_ptr()], [1]) and not compare([a, b], [a.data_ptr(), 0], [0, 1]):
-            return compare
-    except Exception:  # another signature in another torch version
-        pass
-    return None
 
 
 def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
