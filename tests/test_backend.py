@@ -819,6 +819,30 @@ def test_inputs_that_alias_only_at_run_time_get_a_plan_that_sees_it():
     assert torch.equal(base, torch.ones(4))
 
 
+def test_a_script_that_ends_while_the_overlap_check_builds_exits_cleanly():
+    """The C++ overlap check builds in a background thread, partly inside torch's C++ (its
+    self-test). A script that ends during the build must exit normally: a daemon thread stopped at
+    exit inside torch's C++ aborts the process. The stand-in build is busy with torch ops."""
+    code = textwrap.dedent(
+        """
+        import time, torch
+        from aotgrad import alias_check
+
+        def busy_build(n):
+            until = time.monotonic() + 2
+            while time.monotonic() < until:
+                torch.zeros(4)
+
+        alias_check._build_disjoint_ranges_kernel = busy_build
+        alias_check._disjoint_ranges_kernel(7)
+        print("ok")
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("ok")
+
+
 @pytest.fixture
 def overlap_checks(monkeypatch):
     """Count the calls of the C++ overlap check (`alias_check._disjoint_ranges_kernel`), built

@@ -8,7 +8,7 @@ that fails to plans traced per signature, for its aliasing.
 The check, by what held at compile time:
 - inputs aliased then (rare): the same aliasing now (`alias_key`);
 - no overlap then, and the compiled code asserts its inputs' sizes (Inductor's): the tensors' byte
-  ranges are disjoint, in one C++ call (`_disjoint_ranges_kernel`), about 4 us for the few hundred
+  ranges are disjoint, in one C++ call (`_disjoint_ranges_kernel`), about 3 us for the few hundred
   tensors of an optimizer step;
 - otherwise, or until that function is built: distinct storages, in Python (about 30 us for the
   same tensors, 50-60 us when they come cold from a training step).
@@ -113,11 +113,12 @@ def _disjoint_ranges_kernel(n: int) -> concurrent.futures.Future:
     tensors' byte ranges overlap (None where it cannot be built).
 
     It is C++ because reading a few hundred data pointers from Python costs more (14 us) than the
-    whole check in C++ (4.4 us). Inductor's toolchain builds it (`CppPythonBindingsCodeCache`, which
+    whole check in C++ (2.8 us). Inductor's toolchain builds it (`CppPythonBindingsCodeCache`, which
     reads a tensor's data pointer in C++ without torch's headers) in a background thread: a second
     or two of compiler time that must not add to the compile; until it is ready, calls run the
-    storage check. The thread is a daemon, so a short script does not wait for it at exit. Inductor
-    caches the library on disk: later runs load it at once.
+    storage check. Inductor caches the library on disk: later runs load it at once. The thread is
+    not a daemon: a script that ends during a build waits for it (a daemon thread stopped at exit
+    inside torch's C++ aborts the process).
     """
     future = _builds.get(n)
     if future is None:
@@ -125,9 +126,12 @@ def _disjoint_ranges_kernel(n: int) -> concurrent.futures.Future:
 
         def build():
             with _one_build_at_a_time:
-                future.set_result(_build_disjoint_ranges_kernel(n))
+                kernel = _build_disjoint_ranges_kernel(n)
+            if kernel is None:  # a later graph tries again (the cache directory may have gone)
+                _builds.pop(n, None)
+            future.set_result(kernel)
 
-        threading.Thread(target=build, name=f"aotgrad-overlap-check-{n}", daemon=True).start()
+        threading.Thread(target=build, name=f"aotgrad-overlap-check-{n}", daemon=False).start()
     return future
 
 
@@ -137,33 +141,9 @@ def wait_for_builds() -> None:
 
 
 def _build_disjoint_ranges_kernel(n: int) -> Callable | None:
-    pointers = ", ".join(f"const void* p{i}" for i in range(n))
-    source = f"""
-        #include <algorithm>
-        #include <cstdint>
-        #include <stdexcept>
-        #include <utility>
-
-        extern "C" void kernel(const int64_t* extent, {pointers}) {{
-            const void* const pointer[] = {{{", ".join(f"p{i}" for i in range(n))}}};
-            std::pair<uintptr_t, uintptr_t> range[{n}];
-            int m = 0;
-            for (int i = 0; i < {n}; ++i) {{
-                if (extent[i] > 0) {{
-                    uintptr_t start = reinterpret_cast<uintptr_t>(pointer[i]);
-                    range[m++] = {{start, start + static_cast<uintptr_t>(extent[i])}};
-                }}
-            }}
-            std::sort(range, range + m);
-            for (int i = 1; i < m; ++i) {{
-                if (range[i].first < range[i - 1].second) throw std::runtime_error("inputs overlap");
-            }}
-        }}
-    """
+    """The compiled check if it builds and finds an overlap it is shown, else None."""
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        kernel = CppPythonBindingsCodeCache.load_pybinding(["const int64_t*"] + ["const void*"] * n, source)
+        kernel = compile_disjoint_ranges_kernel(n)
         tensors = [torch.zeros(4) for _ in range(n)]
         extents = torch.full((n,), 16, dtype=torch.int64)
         kernel(extents, *tensors)  # disjoint: passes
@@ -175,3 +155,49 @@ def _build_disjoint_ranges_kernel(n: int) -> Callable | None:
     except Exception as e:  # no C++ toolchain, another Inductor: the storage check stays
         log.debug("aotgrad: no C++ overlap check for %d tensors (%s: %s)", n, type(e).__name__, e)
     return None
+
+
+def compile_disjoint_ranges_kernel(n: int) -> Callable:
+    # Sorting the ranges by address is most of the cost, and the order rarely changes from call to
+    # call: first check them in the last call's order (a permutation of all n, so any order proves
+    # disjointness if it finds each range starting past the end of the one before), sort if not.
+    source = f"""
+        #include <algorithm>
+        #include <cstdint>
+        #include <stdexcept>
+        #include <utility>
+
+        extern "C" void kernel(const int64_t* extent, {", ".join(f"const void* p{i}" for i in range(n))}) {{
+            constexpr int n = {n};
+            const void* const pointer[n] = {{{", ".join(f"p{i}" for i in range(n))}}};
+            thread_local int order[n];
+            thread_local bool ordered = false;
+            if (ordered) {{
+                uintptr_t end = 0;
+                int k = 0;
+                for (; k < n; ++k) {{
+                    const int i = order[k];
+                    if (extent[i] <= 0) continue;
+                    const uintptr_t start = reinterpret_cast<uintptr_t>(pointer[i]);
+                    if (start < end) break;
+                    end = start + static_cast<uintptr_t>(extent[i]);
+                }}
+                if (k == n) return;
+            }}
+            ordered = false;
+            std::pair<uintptr_t, int> range[n];
+            for (int i = 0; i < n; ++i) range[i] = {{reinterpret_cast<uintptr_t>(pointer[i]), i}};
+            std::sort(range, range + n);
+            uintptr_t end = 0;
+            for (int k = 0; k < n; ++k) {{
+                const int i = order[k] = range[k].second;
+                if (extent[i] <= 0) continue;
+                if (range[k].first < end) throw std::runtime_error("inputs overlap");
+                end = range[k].first + static_cast<uintptr_t>(extent[i]);
+            }}
+            ordered = true;
+        }}
+    """
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(["const int64_t*"] + ["const void*"] * n, source)
