@@ -96,10 +96,9 @@ def byte_extent(t: torch.Tensor) -> int:
 
 
 def _picker(positions: list[int], n: int) -> Callable:
+    """The leaves at `positions` (at least two), as cheaply as possible."""
     if positions == list(range(n)):
         return lambda leaves: leaves
-    if len(positions) == 1:
-        return lambda leaves: (leaves[positions[0]],)
     return operator.itemgetter(*positions)
 
 
