@@ -146,12 +146,12 @@ def _cold():
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import fresh_cache
 
-    from aotgrad import alias_check
+    from aotgrad import input_checks
 
     torch._dynamo.reset()
     with fresh_cache(), inductor_config.patch(force_disable_caches=True):
         yield
-        alias_check.wait_for_builds()  # aotgrad's background build, in the cache it started in
+        input_checks.wait_for_builds()  # aotgrad's background build, in the cache it started in
 
 
 def cold_compile(backend: str, pristine: nn.Module, inputs: tuple, ref_state: dict) -> Side:
@@ -275,9 +275,9 @@ def _time_samples(runs: dict[str, Callable[[], None]], sides: dict[str, Side], s
     """Warm up, then `samples` timing samples per backend, alternating which backend goes first.
     A sample runs `steps` steps, or more so that it lasts about SAMPLE_SECONDS (same for both).
     aotgrad's run-time alias check is built in the background; no timing starts before it is."""
-    from aotgrad import alias_check
+    from aotgrad import input_checks
 
-    alias_check.wait_for_builds()
+    input_checks.wait_for_builds()
     slowest = 0.0
     for run in runs.values():
         run()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import aotgrad
 
 backend_module = sys.modules["aotgrad.backend"]
-alias_check = sys.modules["aotgrad.alias_check"]
+input_checks = sys.modules["aotgrad.input_checks"]
 
 
 @pytest.fixture(autouse=True)
@@ -826,15 +826,15 @@ def test_a_script_that_ends_while_the_overlap_check_builds_exits_cleanly():
     code = textwrap.dedent(
         """
         import time, torch
-        from aotgrad import alias_check
+        from aotgrad import input_checks
 
         def busy_build(n):
             until = time.monotonic() + 2
             while time.monotonic() < until:
                 torch.zeros(4)
 
-        alias_check._build_disjoint_ranges_kernel = busy_build
-        alias_check._disjoint_ranges_kernel(7)
+        input_checks._build_disjoint_ranges_kernel = busy_build
+        input_checks._disjoint_ranges_kernel(7)
         print("ok")
         """
     )
@@ -844,18 +844,33 @@ def test_a_script_that_ends_while_the_overlap_check_builds_exits_cleanly():
 
 
 @pytest.fixture
+def per_signature_plans(monkeypatch) -> list:
+    """One entry per set of plans the backend starts compiling per signature (calls that fail a
+    per-call input check run on those)."""
+    made: list = []
+
+    class CountedPerShape(backend_module._PerShape):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(backend_module, "_PerShape", CountedPerShape)
+    return made
+
+
+@pytest.fixture
 def overlap_checks(monkeypatch):
-    """Count the calls of the C++ overlap check (`alias_check._disjoint_ranges_kernel`), built
+    """Count the calls of the C++ overlap check (`input_checks._disjoint_ranges_kernel`), built
     afresh for the test; with `overlap_checks.unavailable()`, as where it cannot be built."""
 
     class Counter:
         calls = 0
 
         def unavailable(self):
-            monkeypatch.setattr(alias_check, "_build_disjoint_ranges_kernel", lambda n: None)
+            monkeypatch.setattr(input_checks, "_build_disjoint_ranges_kernel", lambda n: None)
 
     counter = Counter()
-    real_build = alias_check._build_disjoint_ranges_kernel
+    real_build = input_checks._build_disjoint_ranges_kernel
 
     def counted_build(n):
         kernel = real_build(n)
@@ -867,8 +882,8 @@ def overlap_checks(monkeypatch):
 
         return check
 
-    monkeypatch.setattr(alias_check, "_builds", {})
-    monkeypatch.setattr(alias_check, "_build_disjoint_ranges_kernel", counted_build)
+    monkeypatch.setattr(input_checks, "_builds", {})
+    monkeypatch.setattr(input_checks, "_build_disjoint_ranges_kernel", counted_build)
     return counter
 
 
@@ -877,7 +892,7 @@ def _compile_and_build(f, backend, *args):
     torch._dynamo.reset()
     compiled = torch.compile(f, backend=backend)
     compiled(*args)
-    alias_check.wait_for_builds()
+    input_checks.wait_for_builds()
     return compiled
 
 
@@ -889,7 +904,7 @@ def _add_to_one_double_other(a, b):
 
 
 @pytest.mark.parametrize("backend,built", [("aotgrad", True), ("aotgrad", False), ("aotgrad_eager", False)])
-def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, built, overlap_checks):
+def test_input_checks_sees_a_storage_swapped_in_between_calls(backend, built, overlap_checks):
     """Giving `b` the storage of `a` between calls (Dynamo's guards do not see it) must send the call
     to a plan traced for the aliasing, whichever check runs: the C++ check of byte ranges (only
     where the compiled code asserts its inputs' sizes, as Inductor's does; not the nop compilers of
@@ -900,6 +915,7 @@ def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, built, ove
     x_ref, y_ref = x.clone(), y.clone()
     compiled = _compile_and_build(_add_to_one_double_other, backend, x, y)
     _add_to_one_double_other(x_ref, y_ref)
+    overlap_checks.calls = 0  # the first call may come before or after the build
     for _ in range(3):
         torch.testing.assert_close(compiled(x, y), _add_to_one_double_other(x_ref, y_ref))
     torch.testing.assert_close(x, x_ref)
@@ -910,20 +926,13 @@ def test_alias_check_sees_a_storage_swapped_in_between_calls(backend, built, ove
 
 
 @pytest.mark.parametrize("built", [True, False])
-def test_alias_check_of_views_of_one_storage(built, overlap_checks, monkeypatch):
+def test_input_checks_of_views_of_one_storage(built, overlap_checks, per_signature_plans):
     """Two views of one storage that share no byte need no plan of their own: the C++ check of
     byte ranges lets them through to the compiled graph; the storage check, stricter, sends them to
     a plan traced for their aliasing. Views that share bytes get such a plan either way."""
     if not built:
         overlap_checks.unavailable()
-    traced_for_aliasing = []
-
-    class CountedPerShape(backend_module._PerShape):
-        def __init__(self, *args):
-            traced_for_aliasing.append(1)
-            super().__init__(*args)
-
-    monkeypatch.setattr(backend_module, "_PerShape", CountedPerShape)
+    traced_for_aliasing = per_signature_plans
     compiled = _compile_and_build(_add_to_one_double_other, "aotgrad", torch.zeros(4), torch.ones(4))
     for start_of_b, traced in [(4, 0 if built else 1), (3, 1)]:  # disjoint, then sharing a float
         base, base_ref = torch.arange(8.0), torch.arange(8.0)
@@ -948,3 +957,42 @@ def test_run_time_aliasing_matches_eager(program):
     x, y = torch.arange(4.0), torch.arange(4.0)
     torch.testing.assert_close(compiled(x[:], x[:]), f(y[:], y[:]))
     torch.testing.assert_close(x, y)
+
+
+def test_optimizer_parameter_resized_behind_dynamos_guards_matches_eager(per_signature_plans):
+    """Dynamo matches an optimizer's parameters by identity, so a parameter given new data of
+    another size reaches the compiled step unguarded. Upstream's Inductor code asserts the size
+    and raises; aotgrad's forward has no asserts of its own, its per-call size check
+    (`input_checks._SizesCheck`) sends the call to plans compiled per signature: eager's answer.
+    Calls with the compile-time sizes never leave the compiled plan."""
+    traced_per_signature = per_signature_plans
+    torch._dynamo.reset()
+    p, p_ref = (torch.nn.Parameter(torch.ones(4)) for _ in range(2))
+    opt, opt_ref = torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p_ref], lr=0.1)
+    step = torch.compile(opt.step, backend="aotgrad")
+    for _ in range(3):
+        p.grad, p_ref.grad = torch.ones(4), torch.ones(4)
+        step()
+        opt_ref.step()
+        torch.testing.assert_close(p, p_ref)
+    assert not traced_per_signature
+    p.data, p_ref.data = torch.arange(6.0), torch.arange(6.0)
+    p.grad, p_ref.grad = torch.ones(6), torch.ones(6)
+    step()
+    opt_ref.step()
+    torch.testing.assert_close(p, p_ref)
+    assert traced_per_signature == [1]
+
+
+def test_forward_keeps_inductors_input_asserts_where_sizes_are_not_checked_per_call():
+    """Symbolic shapes: the compiled forward keeps Inductor's asserts (and aotgrad checks no sizes)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: (x * w).sum(), backend="aotgrad", dynamic=True)
+    _, static_code = run_and_get_code(
+        torch.compile(lambda x, w: (x * w).sum(), backend="aotgrad"), torch.randn(4), torch.randn(4))
+    torch._dynamo.reset()
+    _, dynamic_code = run_and_get_code(f, torch.randn(4), torch.randn(4))
+    assert "assert_size_stride(" not in "".join(static_code)
+    assert "assert_size_stride(" in "".join(dynamic_code)

@@ -60,7 +60,6 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from . import config
-from .alias_check import AliasChecked
 from .api import (
     AOTConfig,
     CompiledFunction,
@@ -72,6 +71,8 @@ from .api import (
 from .compile import placeholder_values
 from .compilers import nop, wants_functional_graphs
 from .errors import AotgradError
+from .input_checks import InputsChecked
+from .inputs import alias_key, is_wrapper
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
 from .plan import symbols_in
@@ -229,10 +230,11 @@ class AotgradBackend:
             part = functools.partial(part, memory_budget=self.memory_budget)
         return part
 
-    def _aot_config(self, symbolic: bool) -> AOTConfig:
+    def _aot_config(self, symbolic: bool, sizes_checked: bool = False) -> AOTConfig:
+        """`sizes_checked`: the caller checks input sizes, so the forward needs no asserts of its own."""
         partition = self._partition_fn()
         if self.use_inductor:
-            compilers = inductor_compilers(self.inductor_patches)
+            compilers = inductor_compilers(self.inductor_patches, forward_asserts_sizes=not sizes_checked)
             fw, bw, inf = compilers.forward, compilers.backward, compilers.inference
             partition = compilers.partition(partition)
             with self._inductor_patches():  # the table depends on a few Inductor options
@@ -272,8 +274,9 @@ class AotgradBackend:
         leaves = _fake_state(state, fakes) + fakes
         symbolic = any(_is_symbolic(x) for x in leaves)
         run = None
+        sizes_checked = not symbolic and self._input_sizes_checkable_per_call(leaves)
         if not symbolic:
-            run = self._compile_now(fn, leaves, symbolic=False)
+            run = self._compile_now(fn, leaves, symbolic=False, sizes_checked=sizes_checked)
         elif config.symbolic_shapes:
             # A SymInt input whose symbol no tensor size carries (an int argument Dynamo made
             # dynamic) gets an "anchor": a zero-stride tensor of that size, a free view at run time,
@@ -306,27 +309,43 @@ class AotgradBackend:
             per_shape = _PerShape(fn, self._aot_config(False))
             per_shape.prepare(list(state) + _concrete(example_inputs))
             run = per_shape
-        elif _plan_depends_on_aliasing(run.plan):
-            # The plan mutates inputs (or merged aliased inputs): it holds only while the inputs
-            # alias each other as they did at compile time. Dynamo does not guard every overlap,
-            # so check it (cheaply) per call and compile per signature when it differs.
-            run = AliasChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
-                               sizes_asserted=self._compiled_code_asserts_input_sizes())
+        elif sizes_checked or _plan_depends_on_aliasing(run.plan):
+            # What Dynamo does not guard, checked per call (input_checks.py), with plans compiled
+            # per signature for calls that fail: the sizes of inputs when the compiled forward does
+            # not assert them, and, when the plan mutates inputs (or merged aliased inputs), that
+            # the inputs alias each other as they did at compile time.
+            run = InputsChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
+                                check_sizes=sizes_checked, check_aliasing=_plan_depends_on_aliasing(run.plan),
+                                sizes_asserted=self._compiled_code_asserts_input_sizes())
         return _no_dynamo(_bind_state(run, state))
 
     def _compiled_code_asserts_input_sizes(self) -> bool:
-        """Whether the compiled graphs check their inputs' sizes and strides before computing
-        (Inductor's input asserts, on by default), which `alias_check._ranges_decide` relies on."""
+        """Whether Inductor's compiled graphs check their inputs' sizes and strides before computing
+        (its input asserts, on by default, unless `options=` turned them off)."""
         if not self.use_inductor:
             return False
         from torch._inductor import config as inductor_config
 
-        return bool(inductor_config.size_asserts)
+        with self._inductor_patches():
+            return bool(inductor_config.size_asserts)
 
-    def _compile_now(self, fn, leaves: list, *, symbolic: bool) -> Callable:
+    def _input_sizes_checkable_per_call(self, leaves: list) -> bool:
+        """Whether to compile the forward without Inductor's input asserts (one Python call per
+        input) and check the sizes in one C++ call per call instead (`input_checks._SizesCheck`):
+        static shapes, each tensor input its own graph input (none aliased at compile time)."""
+        from .input_checks import tensor_guards_check_sizes
+
+        return (
+            self._compiled_code_asserts_input_sizes()
+            and not alias_key(leaves)
+            and all(x.layout is torch.strided and not is_wrapper(x) for x in leaves if isinstance(x, torch.Tensor))
+            and tensor_guards_check_sizes()
+        )
+
+    def _compile_now(self, fn, leaves: list, *, symbolic: bool, sizes_checked: bool = False) -> Callable:
         spec = pytree.tree_flatten((tuple(leaves), {}))[1]
         with _compile_context(leaves):
-            return compile_signature(fn, leaves, spec, self._aot_config(symbolic))
+            return compile_signature(fn, leaves, spec, self._aot_config(symbolic, sizes_checked))
 
 
 class _PerShape:
@@ -482,10 +501,12 @@ def _concrete(example_inputs: list) -> list:
     return out
 
 
-def inductor_compilers(patches: dict | None = None) -> _InductorCompilers:
+def inductor_compilers(patches: dict | None = None, *, forward_asserts_sizes: bool = True) -> _InductorCompilers:
     """Forward / backward / inference compilers (and a partition wrapper) that hand aotgrad's graphs
-    to Inductor's `compile_fx_inner`, under the Inductor config `patches`; one set per Dynamo graph."""
-    return _InductorCompilers(patches or {})
+    to Inductor's `compile_fx_inner`, under the Inductor config `patches`; one set per Dynamo graph.
+    `forward_asserts_sizes=False` leaves out the forward's and inference graph's input asserts
+    (for a caller that checks them); the backward, whose inputs aotgrad makes, keeps its own."""
+    return _InductorCompilers(patches or {}, forward_asserts_sizes)
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
@@ -558,10 +579,11 @@ class _InductorCompilers:
     placeholders, the TracingContext/fake mode Inductor reads, the boxed convention (Inductor's
     compiled graphs take one list), and forward output strides handed to the backward."""
 
-    def __init__(self, patches: dict):
+    def __init__(self, patches: dict, forward_asserts_sizes: bool = True):
         from torch._guards import TracingContext
 
         self.patches = patches  # applied here too: the backward may compile after the backend returned
+        self.forward_patches = patches if forward_asserts_sizes else {**patches, "size_asserts": False}
         self.graph_id = next(_graph_ids)
         self.context = TracingContext.try_get()  # Dynamo's; re-entered for the lazy backward
 
@@ -604,7 +626,7 @@ class _InductorCompilers:
         return self._compile(gm, visible=None, is_inference=False, is_backward=True)
 
     @contextlib.contextmanager
-    def _context(self, example: list):
+    def _context(self, example: list, patches: dict | None = None):
         from torch._guards import TracingContext, tracing
         from torch._inductor import config as inductor_config
         from torch._inductor.virtualized import V
@@ -617,7 +639,8 @@ class _InductorCompilers:
         ctx = TracingContext.try_get() or self.context
         if ctx is None or ctx.fake_mode is not fake_mode:
             ctx = TracingContext(fake_mode)
-        patched = inductor_config.patch(self.patches) if self.patches else contextlib.nullcontext()
+        patches = self.patches if patches is None else patches
+        patched = inductor_config.patch(patches) if patches else contextlib.nullcontext()
         with patched, V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
             yield ctx
 
@@ -632,7 +655,7 @@ class _InductorCompilers:
         n = len(outs) if visible is None else visible
         # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
         out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
-        with self._context(example):
+        with self._context(example, self.patches if is_backward else self.forward_patches):
             with TracingContext.report_output_strides() as strides:
                 compiled = compile_fx_inner(
                     gm,

@@ -1,22 +1,28 @@
-"""The per-call aliasing check of backend graphs whose plan mutates inputs.
+"""Per-call checks of what Dynamo does not guard, before a backend graph's compiled plan runs.
 
-A plan traced while no two inputs shared memory is wrong for a call whose inputs do: a write to one
-must show in the other. Dynamo does not guard every overlap (it matches an optimizer's parameters
-and state by identity and `.grad` by presence), so the backend checks each call, and sends a call
-that fails to plans traced per signature, for its aliasing.
+Dynamo matches an optimizer's parameters and state by identity and `.grad` by presence, so two
+things a compiled plan depends on can change behind its guards:
 
-The check, by what held at compile time:
-- inputs aliased then (rare): the same aliasing now (`alias_key`);
-- no overlap then, and the compiled code asserts its inputs' sizes (Inductor's): the tensors' byte
-  ranges are disjoint, in one C++ call (`_disjoint_ranges_kernel`), about 3 us for the few hundred
-  tensors of an optimizer step;
-- otherwise, or until that function is built: distinct storages, in Python (about 30 us for the
-  same tensors, 50-60 us when they come cold from a training step).
+- Input sizes and strides. Inductor's compiled code asserts them, one call per input (85 us for
+  the 261 inputs of an AdamW step over GPT-2). Where the shapes are static, the backend compiles
+  the forward without those asserts and checks here instead, in one C++ call (torch's
+  `TensorGuards`, 18 us for the same inputs).
+- Overlap between inputs, when the plan mutates inputs. A plan traced while no two inputs shared
+  memory is wrong for a call whose inputs do: a write to one must show in the other. By what held
+  at compile time: inputs aliased then (rare), the same aliasing now (`alias_key`); no overlap then
+  and sizes fixed by one of the checks above, the tensors' byte ranges are disjoint, in one C++
+  call built in the background (`_disjoint_ranges_kernel`, 2.8 us); otherwise, or until that is
+  built, distinct storages, in Python (29 us for the same tensors, 50-60 us when they come cold
+  from a training step).
+
+A call that fails a check runs on plans compiled per signature for it (`make_fallback`), so it
+gives eager's answer where Inductor's assert would have raised.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import operator
 import threading
@@ -30,26 +36,40 @@ from .inputs import alias_key, is_wrapper, storage_id
 log = logging.getLogger(__name__)
 
 
-class AliasChecked:
-    """Run the shape-generic plan while the inputs alias as at compile time, else per signature."""
+class InputsChecked:
+    """Run the shape-generic plan while the inputs are as it was compiled for, else per signature.
 
-    def __init__(self, run: Callable, leaves: list, make_fallback: Callable, *, sizes_asserted: bool):
+    `check_sizes`: the compiled code does not check input sizes and strides, so check them here.
+    `check_aliasing`: the plan mutates inputs, so check their overlap. `sizes_asserted`: the
+    compiled code asserts input sizes itself (Inductor with `size_asserts`)."""
+
+    def __init__(self, run: Callable, leaves: list, make_fallback: Callable, *,
+                 check_sizes: bool, check_aliasing: bool, sizes_asserted: bool):
         self.run, self.key, self.make_fallback = run, alias_key(leaves), make_fallback
         self.fallback = None
+        self.tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.pick = _picker(self.tensors, len(leaves))
+        self.sizes = _SizesCheck(leaves, self.tensors) if check_sizes else None
         # No two inputs shared memory at compile time (the common case): "all storages distinct"
         # is then the same check as comparing alias keys, at a fifth of the cost.
+        self.check_aliasing = check_aliasing
         self.distinct = None if self.key else [
-            i for i, x in enumerate(leaves)
-            if isinstance(x, torch.Tensor) and x.layout is torch.strided and not is_wrapper(x)
+            i for i in self.tensors if leaves[i].layout is torch.strided and not is_wrapper(leaves[i])
         ]
-        self.disjoint = None
-        self.extents = self.pick = self.build = None
-        if sizes_asserted and _ranges_decide(self.distinct, leaves, run.plan):
+        self.disjoint = self.extents = self.build = None
+        if check_aliasing and (check_sizes or sizes_asserted) and _ranges_decide(self.distinct, leaves, run.plan):
             self.extents = torch.tensor([byte_extent(leaves[i]) for i in self.distinct], dtype=torch.int64)
-            self.pick = _picker(self.distinct, len(leaves))
             self.build = _disjoint_ranges_kernel(len(self.distinct))
+            if len(self.distinct) != len(self.tensors):
+                self.pick_distinct = operator.itemgetter(*self.distinct)
+            else:
+                self.pick_distinct = self.pick
 
     def __call__(self, leaves) -> Any:
+        if self.sizes is not None and not self.sizes.check(self.pick(leaves)):
+            return self._per_signature(leaves)
+        if not self.check_aliasing:
+            return self.run(leaves)
         if self.distinct is None:
             same = alias_key(leaves) == self.key
         else:
@@ -57,16 +77,62 @@ class AliasChecked:
                 self.disjoint, self.build = self.build.result(), None
             if self.disjoint is not None:
                 try:
-                    self.disjoint(self.extents, *self.pick(leaves))
+                    self.disjoint(self.extents, *self.pick_distinct(leaves))
                     return self.run(leaves)
                 except RuntimeError:  # overlap, or a tensor without data: the storage check decides
                     pass
             same = len({storage_id(leaves[i]) for i in self.distinct}) == len(self.distinct)
         if same:
             return self.run(leaves)
+        return self._per_signature(leaves)
+
+    def _per_signature(self, leaves) -> Any:
         if self.fallback is None:
             self.fallback = self.make_fallback()
         return self.fallback(leaves)
+
+
+class _SizesCheck:
+    """Sizes and strides of the tensor inputs against the compile-time ones, in one C++ call.
+
+    torch's `TensorGuards` (what Dynamo's tensor guards are made of) also compares dtype, device,
+    `requires_grad` and dispatch keys; it takes those from the tensors it is built with, and the
+    dispatch keys depend on thread-local state that differs inside a compile. So it is built at
+    the first call, from that call's tensors once their dtypes and devices match the compile-time
+    ones, with the compile-time sizes and strides."""
+
+    def __init__(self, leaves: list, positions: list[int]):
+        self.meta = [(leaves[i].dtype, leaves[i].device.type) for i in positions]
+        self.sizes = [list(leaves[i].shape) for i in positions]
+        self.strides = [list(leaves[i].stride()) for i in positions]
+        self.guards = None
+
+    def check(self, tensors) -> bool:
+        guards = self.guards
+        if guards is None:
+            if [(t.dtype, t.device.type) for t in tensors] != self.meta:
+                return False
+            from torch._C._dynamo.guards import TensorGuards
+
+            guards = self.guards = TensorGuards(
+                *tensors, dynamic_dims_sizes=self.sizes, dynamic_dims_strides=self.strides)
+        return guards.check(*tensors)
+
+
+@functools.cache
+def tensor_guards_check_sizes() -> bool:
+    """Whether torch's `TensorGuards` is here and rejects other sizes and strides (`_SizesCheck`
+    needs it; without it, the backend leaves Inductor's asserts in)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        a, b = torch.zeros(2, 3), torch.zeros(3)
+        guards = TensorGuards(a, b, dynamic_dims_sizes=[[2, 3], [3]], dynamic_dims_strides=[[3, 1], [1]])
+        return (guards.check(a, b) and not guards.check(a.t(), b) and not guards.check(a, torch.zeros(4))
+                and not guards.check(torch.zeros(2, 3)[:, :2], b))
+    except Exception as e:  # another torch: keep Inductor's asserts
+        log.debug("aotgrad: TensorGuards unusable (%s: %s)", type(e).__name__, e)
+        return False
 
 
 def _ranges_decide(distinct: list[int] | None, leaves: list, plan) -> bool:
@@ -75,9 +141,9 @@ def _ranges_decide(distinct: list[int] | None, leaves: list, plan) -> bool:
     Why that is sound: a plan that only writes input data (no metadata or storage mutation) computes
     the same whatever storage each input lies in, as long as no byte is shared: what a compiled
     graph reads and writes of an input lies within its range. The ranges are computed from the
-    compile-time sizes and strides, so they must be fixed: static shapes, and compiled code that
-    asserts them before running any kernel (Inductor's input asserts; Dynamo guards the sizes of
-    ordinary inputs but not those of an optimizer's parameters, state and gradients).
+    compile-time sizes and strides, so they must be fixed: static shapes, checked before any kernel
+    runs (by `_SizesCheck`, or by Inductor's input asserts; Dynamo guards the sizes of ordinary
+    inputs but not those of an optimizer's parameters, state and gradients).
     """
     if not distinct or len(distinct) < 2 or any(m.metadata or m.storage for m in plan.mutations):
         return False
@@ -96,9 +162,13 @@ def byte_extent(t: torch.Tensor) -> int:
 
 
 def _picker(positions: list[int], n: int) -> Callable:
-    """The leaves at `positions` (at least two), as cheaply as possible."""
+    """The leaves at `positions`, as a sequence, as cheaply as possible."""
     if positions == list(range(n)):
         return lambda leaves: leaves
+    if not positions:
+        return lambda leaves: ()
+    if len(positions) == 1:
+        return lambda leaves: (leaves[positions[0]],)
     return operator.itemgetter(*positions)
 
 

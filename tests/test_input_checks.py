@@ -1,4 +1,4 @@
-"""The C++ overlap check of `alias_check`, against a brute-force answer, call after call (the
+"""The C++ overlap check of `input_checks`, against a brute-force answer, call after call (the
 check remembers the last call's order of ranges; a stale order must never hide an overlap)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from aotgrad import alias_check
+from aotgrad import input_checks
 
 
 def _overlap(tensors, extents) -> bool:
@@ -18,7 +18,7 @@ def _overlap(tensors, extents) -> bool:
 
 @pytest.fixture(scope="module")
 def check():
-    return alias_check.compile_disjoint_ranges_kernel(5)  # Inductor's C++ toolchain, as other tests
+    return input_checks.compile_disjoint_ranges_kernel(5)  # Inductor's C++ toolchain, as other tests
 
 
 def test_overlap_check_agrees_with_brute_force(check):
@@ -32,7 +32,7 @@ def test_overlap_check_agrees_with_brute_force(check):
             start, length = rng.randrange(16), rng.choice([0, 1, 2, 4])
             view = base[start:start + length]
             tensors.append(view)
-            extents.append(alias_check.byte_extent(view))
+            extents.append(input_checks.byte_extent(view))
         expected = _overlap(tensors, extents)
         try:
             check(torch.tensor(extents, dtype=torch.int64), *tensors)
@@ -46,8 +46,8 @@ def test_overlap_check_agrees_with_brute_force(check):
 
 def test_byte_extent_spans_first_to_last_element():
     x = torch.zeros(4, 6)
-    assert alias_check.byte_extent(x) == 24 * 4
-    assert alias_check.byte_extent(x[:, 1:3]) == (1 + 3 * 6 + 1) * 4  # rows 0-3, columns 1-2
-    assert alias_check.byte_extent(x.t()) == 24 * 4
-    assert alias_check.byte_extent(x[:0]) == 0
-    assert alias_check.byte_extent(torch.zeros(()).expand(3, 3)) == 4
+    assert input_checks.byte_extent(x) == 24 * 4
+    assert input_checks.byte_extent(x[:, 1:3]) == (1 + 3 * 6 + 1) * 4  # rows 0-3, columns 1-2
+    assert input_checks.byte_extent(x.t()) == 24 * 4
+    assert input_checks.byte_extent(x[:0]) == 0
+    assert input_checks.byte_extent(torch.zeros(()).expand(3, 3)) == 4
