@@ -74,8 +74,11 @@ def main(argv=None) -> int:
     print(summary.report(top=args.top))
     own = len(summary.failures)
     if args.backend and args.reference:
+        # The shrunk program too: it shows the same failure under aotgrad, and may show it under
+        # the reference where the original did not (an Inductor bug reached by fewer ops).
         shared = [f.index for f in summary.failures
-                  if fuzz.check_program(f.program, backend=args.reference).kind in ("crashed", "mismatched")]
+                  if any(fuzz.check_program(p, backend=args.reference).kind in ("crashed", "mismatched")
+                         for p in (f.program, f.shrunk) if p is not None)]
         own -= len(shared)
         print(f"{len(shared)} of {len(summary.failures)} failures also fail under backend={args.reference!r}: {shared}")
     print(f"{time.time() - t0:.1f}s")
