@@ -51,3 +51,16 @@ def test_byte_extent_spans_first_to_last_element():
     assert input_checks.byte_extent(x.t()) == 24 * 4
     assert input_checks.byte_extent(x[:0]) == 0
     assert input_checks.byte_extent(torch.zeros(()).expand(3, 3)) == 4
+
+
+def test_sizes_check_rejects_other_sizes_strides_and_dtypes():
+    assert input_checks.tensor_guards_check_sizes()
+    compiled_for = [torch.zeros(2, 3), torch.zeros(5)]
+    check = input_checks._SizesCheck(compiled_for, [0, 1])
+    assert not check.check([torch.zeros(2, 3, dtype=torch.float64), torch.zeros(5)])  # before it is built
+    assert check.check([torch.ones(2, 3), torch.ones(5)])
+    assert check.check([torch.ones(2, 3), torch.ones(5)])
+    assert not check.check([torch.ones(3, 2).t(), torch.ones(5)])  # same sizes, other strides
+    assert not check.check([torch.ones(2, 3), torch.ones(6)])
+    assert not check.check([torch.ones(2, 3), torch.ones(5, dtype=torch.float64)])
+    assert not check.check([torch.ones(2, 3), torch.ones(10)[::2]])
