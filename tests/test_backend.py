@@ -984,15 +984,29 @@ def test_optimizer_parameter_resized_behind_dynamos_guards_matches_eager(per_sig
     assert traced_per_signature == [1]
 
 
-def test_forward_keeps_inductors_input_asserts_where_sizes_are_not_checked_per_call():
-    """Symbolic shapes: the compiled forward keeps Inductor's asserts (and aotgrad checks no sizes)."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_forward_asserts_input_sizes_only_where_they_are_not_checked_per_call(dynamic):
+    """Static shapes: the compiled forward has no input asserts (aotgrad checks the sizes per call);
+    symbolic shapes: it keeps Inductor's. The backward, whose inputs aotgrad makes, keeps them."""
     from torch._inductor.utils import run_and_get_code
 
+    def f(x, w):
+        return (x * w).sin().sum()
+
     torch._dynamo.reset()
-    f = torch.compile(lambda x, w: (x * w).sum(), backend="aotgrad", dynamic=True)
-    _, static_code = run_and_get_code(
-        torch.compile(lambda x, w: (x * w).sum(), backend="aotgrad"), torch.randn(4), torch.randn(4))
-    torch._dynamo.reset()
-    _, dynamic_code = run_and_get_code(f, torch.randn(4), torch.randn(4))
-    assert "assert_size_stride(" not in "".join(static_code)
-    assert "assert_size_stride(" in "".join(dynamic_code)
+    compiled = torch.compile(f, backend="aotgrad", dynamic=dynamic)
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+
+    def train_step():
+        out = compiled(x, w)
+        out.backward()
+        return out
+
+    out, (forward_code, backward_code) = run_and_get_code(train_step)
+    ref = f(x, w_ref)
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    assert ("assert_size_stride(primals" in forward_code) == dynamic
+    assert "assert_size_stride(" in backward_code

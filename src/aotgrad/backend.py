@@ -316,7 +316,7 @@ class AotgradBackend:
             # the inputs alias each other as they did at compile time.
             run = InputsChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
                                 check_sizes=sizes_checked, check_aliasing=_plan_depends_on_aliasing(run.plan),
-                                sizes_asserted=self._compiled_code_asserts_input_sizes())
+                                sizes_fixed=not symbolic and (sizes_checked or self._compiled_code_asserts_input_sizes()))
         return _no_dynamo(_bind_state(run, state))
 
     def _compiled_code_asserts_input_sizes(self) -> bool:

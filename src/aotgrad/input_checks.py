@@ -40,11 +40,12 @@ class InputsChecked:
     """Run the shape-generic plan while the inputs are as it was compiled for, else per signature.
 
     `check_sizes`: the compiled code does not check input sizes and strides, so check them here.
-    `check_aliasing`: the plan mutates inputs, so check their overlap. `sizes_asserted`: the
-    compiled code asserts input sizes itself (Inductor with `size_asserts`)."""
+    `check_aliasing`: the plan mutates inputs, so check their overlap. `sizes_fixed`: the shapes
+    are static and checked before any kernel runs (here, or by Inductor's asserts), so byte
+    ranges computed now hold at every call that gets that far."""
 
     def __init__(self, run: Callable, leaves: list, make_fallback: Callable, *,
-                 check_sizes: bool, check_aliasing: bool, sizes_asserted: bool):
+                 check_sizes: bool, check_aliasing: bool, sizes_fixed: bool):
         self.run, self.key, self.make_fallback = run, alias_key(leaves), make_fallback
         self.fallback = None
         self.tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -57,7 +58,7 @@ class InputsChecked:
             i for i in self.tensors if leaves[i].layout is torch.strided and not is_wrapper(leaves[i])
         ]
         self.disjoint = self.extents = self.build = None
-        if check_aliasing and (check_sizes or sizes_asserted) and _ranges_decide(self.distinct, leaves, run.plan):
+        if check_aliasing and sizes_fixed and _ranges_decide(self.distinct, run.plan):
             self.extents = torch.tensor([byte_extent(leaves[i]) for i in self.distinct], dtype=torch.int64)
             self.build = _disjoint_ranges_kernel(len(self.distinct))
             if len(self.distinct) != len(self.tensors):
@@ -136,7 +137,7 @@ def tensor_guards_check_sizes() -> bool:
         return False
 
 
-def _ranges_decide(distinct: list[int] | None, leaves: list, plan) -> bool:
+def _ranges_decide(distinct: list[int] | None, plan) -> bool:
     """Whether disjoint byte ranges are enough for the plan, with byte ranges fixed at compile time.
 
     Why that is sound: a plan that only writes input data (no metadata or storage mutation) computes
@@ -146,13 +147,7 @@ def _ranges_decide(distinct: list[int] | None, leaves: list, plan) -> bool:
     runs (by `_SizesCheck`, or by Inductor's input asserts; Dynamo guards the sizes of ordinary
     inputs but not those of an optimizer's parameters, state and gradients).
     """
-    if not distinct or len(distinct) < 2 or any(m.metadata or m.storage for m in plan.mutations):
-        return False
-    for i in distinct:
-        x = leaves[i]
-        if any(isinstance(v, torch.SymInt) for v in (*x.shape, *x.stride(), x.storage_offset())):
-            return False
-    return True
+    return distinct is not None and len(distinct) >= 2 and not any(m.metadata or m.storage for m in plan.mutations)
 
 
 def byte_extent(t: torch.Tensor) -> int:
