@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_backend:
         import backend_bench
 
-        backend_bench.main(["--compile-repeats", "2"])
+        backend_bench.main([])
     if not args.skip_fresh_compile:
         import cold_compile_bench
 
