@@ -152,6 +152,7 @@ class AotgradBackend:
         self.keep_inference_input_mutations = keep_inference_input_mutations
         self.use_inductor = use_inductor
         self.inductor_patches: dict = {}  # Inductor config from torch.compile(mode=, options=)
+        self.forward_inductor_patches: dict = {}  # more of it, for forward and inference graphs only
         self.__name__ = "aotgrad" if use_inductor else "aotgrad_custom"
         if memory_budget is not None:
             if not 0.0 <= memory_budget <= 1.0:
@@ -230,11 +231,17 @@ class AotgradBackend:
             part = functools.partial(part, memory_budget=self.memory_budget)
         return part
 
-    def _aot_config(self, symbolic: bool, sizes_checked: bool = False) -> AOTConfig:
-        """`sizes_checked`: the caller checks input sizes, so the forward needs no asserts of its own."""
+    def _without_forward_size_asserts(self) -> AotgradBackend:
+        """This backend, compiling forward and inference graphs without Inductor's input asserts:
+        for a graph whose caller checks the input sizes itself (`input_checks._SizesCheck`)."""
+        chosen = copy.copy(self)
+        chosen.forward_inductor_patches = {**self.forward_inductor_patches, "size_asserts": False}
+        return chosen
+
+    def _aot_config(self, symbolic: bool) -> AOTConfig:
         partition = self._partition_fn()
         if self.use_inductor:
-            compilers = inductor_compilers(self.inductor_patches, forward_asserts_sizes=not sizes_checked)
+            compilers = inductor_compilers(self.inductor_patches, self.forward_inductor_patches)
             fw, bw, inf = compilers.forward, compilers.backward, compilers.inference
             partition = compilers.partition(partition)
             with self._inductor_patches():  # the table depends on a few Inductor options
@@ -276,7 +283,8 @@ class AotgradBackend:
         run = None
         sizes_checked = not symbolic and self._input_sizes_checkable_per_call(leaves)
         if not symbolic:
-            run = self._compile_now(fn, leaves, symbolic=False, sizes_checked=sizes_checked)
+            compiler = self._without_forward_size_asserts() if sizes_checked else self
+            run = compiler._compile_now(fn, leaves, symbolic=False)
         elif config.symbolic_shapes:
             # A SymInt input whose symbol no tensor size carries (an int argument Dynamo made
             # dynamic) gets an "anchor": a zero-stride tensor of that size, a free view at run time,
@@ -342,10 +350,10 @@ class AotgradBackend:
             and tensor_guards_check_sizes()
         )
 
-    def _compile_now(self, fn, leaves: list, *, symbolic: bool, sizes_checked: bool = False) -> Callable:
+    def _compile_now(self, fn, leaves: list, *, symbolic: bool) -> Callable:
         spec = pytree.tree_flatten((tuple(leaves), {}))[1]
         with _compile_context(leaves):
-            return compile_signature(fn, leaves, spec, self._aot_config(symbolic, sizes_checked))
+            return compile_signature(fn, leaves, spec, self._aot_config(symbolic))
 
 
 class _PerShape:
@@ -501,12 +509,12 @@ def _concrete(example_inputs: list) -> list:
     return out
 
 
-def inductor_compilers(patches: dict | None = None, *, forward_asserts_sizes: bool = True) -> _InductorCompilers:
+def inductor_compilers(patches: dict | None = None, forward_patches: dict | None = None) -> _InductorCompilers:
     """Forward / backward / inference compilers (and a partition wrapper) that hand aotgrad's graphs
     to Inductor's `compile_fx_inner`, under the Inductor config `patches`; one set per Dynamo graph.
-    `forward_asserts_sizes=False` leaves out the forward's and inference graph's input asserts
-    (for a caller that checks them); the backward, whose inputs aotgrad makes, keeps its own."""
-    return _InductorCompilers(patches or {}, forward_asserts_sizes)
+    `forward_patches` add to them for the forward and inference graphs only (the backward's inputs
+    are aotgrad's own, so e.g. it keeps its input asserts where the forward's are left out)."""
+    return _InductorCompilers(patches or {}, forward_patches or {})
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
@@ -579,11 +587,11 @@ class _InductorCompilers:
     placeholders, the TracingContext/fake mode Inductor reads, the boxed convention (Inductor's
     compiled graphs take one list), and forward output strides handed to the backward."""
 
-    def __init__(self, patches: dict, forward_asserts_sizes: bool = True):
+    def __init__(self, patches: dict, forward_patches: dict):
         from torch._guards import TracingContext
 
         self.patches = patches  # applied here too: the backward may compile after the backend returned
-        self.forward_patches = patches if forward_asserts_sizes else {**patches, "size_asserts": False}
+        self.forward_patches = {**patches, **forward_patches}
         self.graph_id = next(_graph_ids)
         self.context = TracingContext.try_get()  # Dynamo's; re-entered for the lazy backward
 
