@@ -121,6 +121,33 @@ def test_training_loop_eager_backend_is_exact():
             torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.head_a, self.head_b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.trunk(x).relu()
+        return self.head_a(h), self.head_b(h)
+
+
+@pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
+def test_head_without_loss_keeps_grads_none(backend):
+    """A loss on one head: the other head's parameters keep `.grad` None, as in eager (an optimizer
+    skips them; with zero gradients AdamW would still decay and move them)."""
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    mod = copy.deepcopy(ref)
+    x = torch.randn(5, 4)
+    ref(x)[0].sum().backward()
+    torch.compile(mod, backend=backend)(x)[0].sum().backward()
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad)
+    assert mod.head_b.weight.grad is None
+
+
 def test_dynamic_batch_size_inductor_no_recompile():
     torch.manual_seed(0)
     ref = TinyNet()

@@ -37,6 +37,9 @@ class CompiledForward:
     num_saved_tensors: int = 0
     num_saved_other: int = 0
     written_in_place: frozenset[int] = frozenset()  # primals whose new value the graph already wrote
+    # Per forward output, a bitmask of the primals the traced program computed it from (before any
+    # compiler could simplify a dependency away): which gradients eager would leave None.
+    computed_from: tuple[int, ...] = ()
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
@@ -82,6 +85,7 @@ def compile_training(
     keep_input_mutations: bool = False,
 ) -> CompiledForward:
     plan = captured.plan
+    computed_from = _computed_from(captured.graph, plan.num_fw_outputs)
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
     fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
     # Any epilogue action on an input (copy_, as_strided_, set_, detach_) would invalidate a saved
@@ -106,6 +110,7 @@ def compile_training(
         num_saved_tensors=num_tensors,
         num_saved_other=len(saved) - num_tensors,
         written_in_place=in_place,
+        computed_from=computed_from,
         bw_module=bw_module,
         bw_compiler=bw_compiler,
         aot_id=aot_id,
@@ -116,6 +121,26 @@ def compile_training(
         # they exist when the caller's cache entry is made (Dynamo's, or ours), so compile it now.
         compiled.backward(example_cotangents)
     return compiled
+
+
+def _computed_from(joint: torch.fx.GraphModule, num_fw_outputs: int) -> tuple[int, ...]:
+    """For each forward output of the joint graph, the graph inputs its value flows from, as a
+    bitmask by placeholder position (the primals come first)."""
+    flows = flows_from(joint, joint.graph.find_nodes(op="placeholder"))
+    outs = list(joint.graph.output_node().args[0])[:num_fw_outputs]
+    return tuple(flows.get(o, 0) if isinstance(o, torch.fx.Node) else 0 for o in outs)
+
+
+def flows_from(gm: torch.fx.GraphModule, sources: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """For each node, a bitmask of the `sources` its value flows from."""
+    flows = {node: 1 << j for j, node in enumerate(sources)}
+    for node in gm.graph.nodes:
+        if node not in flows:
+            mask = 0
+            for arg in node.all_input_nodes:
+                mask |= flows.get(arg, 0)
+            flows[node] = mask
+    return flows
 
 
 def placeholder_values(gm: torch.fx.GraphModule) -> list:

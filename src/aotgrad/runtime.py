@@ -30,7 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
-from .compile import CompiledForward
+from .compile import CompiledForward, flows_from
 from .errors import AotgradError
 from .inputs import storage_base, storage_id
 from .plan import (
@@ -148,6 +148,13 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     names = [f"primals[{k}]" for k in range(plan.layout.num_primals)]
     _emit_as_caller_sees(fw, plan, compiled, outs, names, "primals", in_function=True)
     fw.emit(f"outs = {_tuple_src(outs)}")
+    unreached = _unreached_when_none(plan, compiled, diff)
+    if unreached:
+        # Outputs that get no gradient arrive as None (not zeros), so that inputs only they reach
+        # get None, as in eager; the backward graph gets zeros of their shape in their place.
+        fw.emit("ctx.set_materialize_grads(False)")
+        metas = "".join(f"(outs[{i}].shape, outs[{i}].dtype, outs[{i}].device), " for i in diff)
+        fw.emit(f"ctx.tangent_meta = ({metas})")
     if nondiff:
         fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
     fw.emit("return outs")
@@ -158,15 +165,30 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     parts = ["*ctx.saved_tensors"] if n_t else []
     if n_o:
         parts.append("*ctx.saved_other")
-    parts += [f"_contig(grads[{i}])" for i in diff]
     bw.globals["_contig"] = _contiguous
+    if unreached:
+        bw.globals["_zeros"] = _zeros
+        for j, i in enumerate(diff):
+            bw.emit(f"t{j} = grads[{i}]")
+        parts += [f"_contig(t{j}) if t{j} is not None else _zeros(ctx.tangent_meta[{j}])" for j in range(len(diff))]
+    else:
+        parts += [f"_contig(grads[{i}])" for i in diff]
     bw.emit(f"args = [{', '.join(parts)}]")
     # The node lets go of its saved tensors (unless retain_graph keeps them for another backward),
     # so the boxed graph, which clears `args`, frees each activation after its last use: the
     # backward's peak memory is then what the graph needs, not that plus every saved activation.
     if n_t:
         bw.emit("ctx.maybe_clear_saved_tensors()")
-    bw.emit(f"return tuple({cfw}.backward(args)(args))")
+    if unreached:
+        bw.emit(f"grads_in = list({cfw}.backward(args)(args))")
+        for tangents, primals in unreached.items():
+            cond = " and ".join(f"t{j} is None" for j in tangents) or "True"
+            bw.emit(f"if {cond}:")
+            for k in primals:
+                bw.emit(f"grads_in[{k}] = None", indent=2)
+        bw.emit("return tuple(grads_in)")
+    else:
+        bw.emit(f"return tuple({cfw}.backward(args)(args))")
     backward = bw.build("backward", "def backward(ctx, *grads):")
 
     return type(
@@ -174,6 +196,45 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward))},
     )
+
+
+def _unreached_when_none(plan: Plan, compiled: CompiledForward, diff: list[int]) -> dict[tuple[int, ...], list[int]]:
+    """Inputs whose gradient eager leaves None when some outputs get no gradient, by those outputs.
+
+    One backward node computes the gradients of all the graph's outputs, so autograd calls it when
+    any of them gets a gradient; eager reaches an input only through the outputs connected to it.
+    Connected here means: the traced program computed the output from the input, or the backward
+    graph computes the input's gradient from the output's. That misses only a gradient that is
+    zero whatever the output's gradient, of an output whose value does not depend on the input;
+    inputs mutated in place (whose value flow the functional graph cuts where eager's autograd
+    keeps the tensor) count as connected to every output. An input connected to outputs D only
+    gets None when all of D's gradients are None. Returns {D: inputs} for the D that are not all
+    outputs (those need nothing: the node runs only if some gradient is given)."""
+    bw = compiled.bw_module
+    if bw is None or not diff or not compiled.computed_from:
+        return {}
+    mutated = set(compiled.written_in_place)
+    for action in plan.epilogue:
+        mutated.add(action.primal if hasattr(action, "primal") else plan.layout.leaf_views[action.leaf].primal)
+    tangents = bw.graph.find_nodes(op="placeholder")[-len(diff):]
+    from_tangents = flows_from(bw, tangents)
+    grads = bw.graph.output_node().args[0]
+    every = tuple(range(len(diff)))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, grad in enumerate(grads):
+        if not isinstance(grad, torch.fx.Node) or k in mutated:
+            continue
+        outputs = tuple(
+            j for j, i in enumerate(diff) if compiled.computed_from[i] >> k & 1 or from_tangents.get(grad, 0) >> j & 1
+        )
+        if outputs != every:
+            groups.setdefault(outputs, []).append(k)
+    return groups
+
+
+def _zeros(meta: tuple) -> torch.Tensor:
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _scattered_into(gm: torch.fx.GraphModule) -> set[int]:
