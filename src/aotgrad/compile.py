@@ -37,9 +37,12 @@ class CompiledForward:
     num_saved_tensors: int = 0
     num_saved_other: int = 0
     written_in_place: frozenset[int] = frozenset()  # primals whose new value the graph already wrote
-    # Per forward output, a bitmask of the primals the traced program computed it from (before any
-    # compiler could simplify a dependency away): which gradients eager would leave None.
+    # Which gradients eager would leave None, read off the graphs before any compiler could
+    # simplify a dependency away: per forward output, a bitmask of the primals the program computed
+    # it from; per primal, a bitmask of the tangents the backward computes its gradient from (None:
+    # no gradient).
     computed_from: tuple[int, ...] = ()
+    gradient_from: tuple[int | None, ...] = ()
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
@@ -88,6 +91,7 @@ def compile_training(
     computed_from = _computed_from(captured.graph, plan.num_fw_outputs)
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
     fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
+    gradient_from = _gradient_from(bw_module, captured.num_tangents)
     # Any epilogue action on an input (copy_, as_strided_, set_, detach_) would invalidate a saved
     # view of it; leaf-targeted actions touch the synthetic base their leaf is a view of.
     views = plan.layout.leaf_views
@@ -111,6 +115,7 @@ def compile_training(
         num_saved_other=len(saved) - num_tensors,
         written_in_place=in_place,
         computed_from=computed_from,
+        gradient_from=gradient_from,
         bw_module=bw_module,
         bw_compiler=bw_compiler,
         aot_id=aot_id,
@@ -126,12 +131,21 @@ def compile_training(
 def _computed_from(joint: torch.fx.GraphModule, num_fw_outputs: int) -> tuple[int, ...]:
     """For each forward output of the joint graph, the graph inputs its value flows from, as a
     bitmask by placeholder position (the primals come first)."""
-    flows = flows_from(joint, joint.graph.find_nodes(op="placeholder"))
+    flows = _flows_from(joint, joint.graph.find_nodes(op="placeholder"))
     outs = list(joint.graph.output_node().args[0])[:num_fw_outputs]
     return tuple(flows.get(o, 0) if isinstance(o, torch.fx.Node) else 0 for o in outs)
 
 
-def flows_from(gm: torch.fx.GraphModule, sources: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+def _gradient_from(bw: torch.fx.GraphModule, num_tangents: int) -> tuple[int | None, ...]:
+    """For each gradient the backward graph returns, the tangents (its last `num_tangents` inputs)
+    it flows from, as a bitmask; None where it returns no gradient."""
+    tangents = bw.graph.find_nodes(op="placeholder")[len(bw.graph.find_nodes(op="placeholder")) - num_tangents:]
+    flows = _flows_from(bw, tangents)
+    grads = bw.graph.output_node().args[0]
+    return tuple(flows.get(g, 0) if isinstance(g, torch.fx.Node) else None for g in grads)
+
+
+def _flows_from(gm: torch.fx.GraphModule, sources: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
     """For each node, a bitmask of the `sources` its value flows from."""
     flows = {node: 1 << j for j, node in enumerate(sources)}
     for node in gm.graph.nodes:

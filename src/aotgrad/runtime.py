@@ -30,7 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
-from .compile import CompiledForward, flows_from
+from .compile import CompiledForward
 from .errors import AotgradError
 from .inputs import storage_base, storage_id
 from .plan import (
@@ -210,23 +210,17 @@ def _unreached_when_none(plan: Plan, compiled: CompiledForward, diff: list[int])
     keeps the tensor) count as connected to every output. An input connected to outputs D only
     gets None when all of D's gradients are None. Returns {D: inputs} for the D that are not all
     outputs (those need nothing: the node runs only if some gradient is given)."""
-    bw = compiled.bw_module
-    if bw is None or not diff or not compiled.computed_from:
+    if not diff or not compiled.computed_from or not compiled.gradient_from:
         return {}
     mutated = set(compiled.written_in_place)
     for action in plan.epilogue:
         mutated.add(action.primal if hasattr(action, "primal") else plan.layout.leaf_views[action.leaf].primal)
-    tangents = bw.graph.find_nodes(op="placeholder")[-len(diff):]
-    from_tangents = flows_from(bw, tangents)
-    grads = bw.graph.output_node().args[0]
     every = tuple(range(len(diff)))
     groups: dict[tuple[int, ...], list[int]] = {}
-    for k, grad in enumerate(grads):
-        if not isinstance(grad, torch.fx.Node) or k in mutated:
+    for k, from_tangents in enumerate(compiled.gradient_from):
+        if from_tangents is None or k in mutated:
             continue
-        outputs = tuple(
-            j for j, i in enumerate(diff) if compiled.computed_from[i] >> k & 1 or from_tangents.get(grad, 0) >> j & 1
-        )
+        outputs = tuple(j for j, i in enumerate(diff) if compiled.computed_from[i] >> k & 1 or from_tangents >> j & 1)
         if outputs != every:
             groups.setdefault(outputs, []).append(k)
     return groups
