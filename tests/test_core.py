@@ -178,6 +178,24 @@ class _RoundIgnoringScale(torch.autograd.Function):
         return g, g.sum().expand(1)
 
 
+class _ScaledWithZeroScaleGradient(torch.autograd.Function):
+    """`x * scale`, whose backward gives `scale` zeros without reading the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        (scale,) = ctx.saved_tensors
+        return g * scale, torch.zeros_like(scale)
+
+
+def _scaled_by_custom_function(x, scale):
+    return _ScaledWithZeroScaleGradient.apply(x, scale), x * 3
+
+
 def _sign_and_double(x):
     return x.sign(), x * 2
 
@@ -197,13 +215,16 @@ def _overwritten_under_no_grad(x, w):
     (lambda x, y: (x * 2, y * 3, (x * y).sum()), [(3,), (3,)]),
     (_sign_and_double, [(3,)]),
     (_rounded_by_custom_function, [(3,), (1,)]),
+    (_scaled_by_custom_function, [(3,), (3,)]),
     (_overwritten_under_no_grad, [(3,), (3,)]),
-], ids=["independent-outputs", "sign", "custom-function", "overwritten-under-no-grad"])
+], ids=["independent-outputs", "sign", "unused-by-forward", "zero-gradient", "overwritten-under-no-grad"])
 def test_gradient_left_none_exactly_where_eager_leaves_it(f, shapes):
     """Backward through one output at a time: an input connected only to outputs that got no gradient
     keeps `.grad` None, as in eager; one connected to the used output gets eager's gradient, also
-    when it is zero (`sign`), when only the backward connects it (a custom Function whose forward
-    ignores it), and when the forward's value flow from it was cut (a copy_ under no_grad).
+    when it is zero (`sign`; a custom Function's zeros made without reading the output's gradient,
+    which only the forward's value flow connects), when only the backward connects it (a custom
+    Function whose forward ignores it), and when a copy_ under no_grad overwrote the value computed
+    from it.
     (Known gap, the other way: an input whose value reaches an output only through no_grad ops
     gets zeros where eager leaves None, as under upstream.)"""
     torch.manual_seed(0)
