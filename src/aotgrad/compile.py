@@ -92,13 +92,9 @@ def compile_training(
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
     fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
     gradient_from = _gradient_from(bw_module, captured.num_tangents)
-    # Any epilogue action on an input (copy_, as_strided_, set_, detach_) would invalidate a saved
-    # view of it; leaf-targeted actions touch the synthetic base their leaf is a view of.
-    views = plan.layout.leaf_views
-    mutated_after_forward = {
-        a.primal if hasattr(a, "primal") else views[a.leaf].primal for a in plan.epilogue
-    }
-    clone_saved_inputs(fw_module, plan.num_fw_outputs, _with_storage_sharers(mutated_after_forward, example_primals))
+    # Any epilogue action on an input would invalidate a saved view of it.
+    changed = _with_storage_sharers(plan.primals_changed_after_forward, example_primals)
+    clone_saved_inputs(fw_module, plan.num_fw_outputs, changed)
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
     in_place = _reinplace_for(fw_compiler, fw_module, plan)

@@ -358,6 +358,13 @@ class Plan:
     def num_fw_outputs(self) -> int:
         return len(self.fw_outputs)
 
+    @property
+    def primals_changed_after_forward(self) -> set[int]:
+        """Primals an epilogue action touches (copy_, as_strided_, set_, detach_); a leaf-targeted
+        action touches the synthetic base its leaf is a view of."""
+        views = self.layout.leaf_views
+        return {a.primal if hasattr(a, "primal") else views[a.leaf].primal for a in self.epilogue}
+
 
 def symbols_in(obj: Any, _depth: int = 0) -> set:
     """The sympy symbols of every symbolic value in `obj` (a plan, or any part of one)."""

@@ -212,9 +212,7 @@ def _unreached_when_none(plan: Plan, compiled: CompiledForward, diff: list[int])
     outputs (those need nothing: the node runs only if some gradient is given)."""
     if not diff or not compiled.computed_from or not compiled.gradient_from:
         return {}
-    mutated = set(compiled.written_in_place)
-    for action in plan.epilogue:
-        mutated.add(action.primal if hasattr(action, "primal") else plan.layout.leaf_views[action.leaf].primal)
+    mutated = compiled.written_in_place | plan.primals_changed_after_forward
     every = tuple(range(len(diff)))
     groups: dict[tuple[int, ...], list[int]] = {}
     for k, from_tangents in enumerate(compiled.gradient_from):
