@@ -134,11 +134,12 @@ class _TwoHeads(nn.Module):
 @pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
 def test_head_without_loss_keeps_grads_none(backend):
     """A loss on one head: the other head's parameters keep `.grad` None, as in eager (an optimizer
-    skips them; with zero gradients AdamW would still decay and move them)."""
+    skips them; with zero gradients AdamW would still decay and move them). In float64: the zeros
+    that stand in for the missing gradient must have the dtype the compiled backward expects."""
     torch.manual_seed(0)
-    ref = _TwoHeads()
+    ref = _TwoHeads().double()
     mod = copy.deepcopy(ref)
-    x = torch.randn(5, 4)
+    x = torch.randn(5, 4, dtype=torch.float64)
     ref(x)[0].sum().backward()
     torch.compile(mod, backend=backend)(x)[0].sum().backward()
     for (name, p), q in zip(mod.named_parameters(), ref.parameters()):

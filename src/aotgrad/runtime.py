@@ -30,7 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
-from .compile import CompiledForward
+from .compile import CompiledForward, placeholder_values
 from .errors import AotgradError
 from .inputs import storage_base, storage_id
 from .plan import (
@@ -151,10 +151,10 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     unreached = _unreached_when_none(plan, compiled, diff)
     if unreached:
         # Outputs that get no gradient arrive as None (not zeros), so that inputs only they reach
-        # get None, as in eager; the backward graph gets zeros of their shape in their place.
+        # get None, as in eager; the backward graph gets zeros in their place. Their sizes may be
+        # symbolic, so they are read per call; dtype and device come from the traced tangents.
         fw.emit("ctx.set_materialize_grads(False)")
-        metas = "".join(f"(outs[{i}].shape, outs[{i}].dtype, outs[{i}].device), " for i in diff)
-        fw.emit(f"ctx.tangent_meta = ({metas})")
+        fw.emit(f"ctx.tangent_shapes = {_tuple_src([f'outs[{i}].shape' for i in diff])}")
     if nondiff:
         fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
     fw.emit("return outs")
@@ -167,10 +167,15 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         parts.append("*ctx.saved_other")
     bw.globals["_contig"] = _contiguous
     if unreached:
-        bw.globals["_zeros"] = _zeros
+        bw.globals["_zeros"] = torch.zeros
+        traced = placeholder_values(compiled.bw_module)[-len(diff):]
         for j, i in enumerate(diff):
             bw.emit(f"t{j} = grads[{i}]")
-        parts += [f"_contig(t{j}) if t{j} is not None else _zeros(ctx.tangent_meta[{j}])" for j in range(len(diff))]
+            bw.globals[f"_dtype{j}"], bw.globals[f"_device{j}"] = traced[j].dtype, traced[j].device
+        parts += [
+            f"_contig(t{j}) if t{j} is not None else _zeros(ctx.tangent_shapes[{j}], dtype=_dtype{j}, device=_device{j})"
+            for j in range(len(diff))
+        ]
     else:
         parts += [f"_contig(grads[{i}])" for i in diff]
     bw.emit(f"args = [{', '.join(parts)}]")
@@ -222,11 +227,6 @@ def _unreached_when_none(plan: Plan, compiled: CompiledForward, diff: list[int])
         if outputs != every:
             groups.setdefault(outputs, []).append(k)
     return groups
-
-
-def _zeros(meta: tuple) -> torch.Tensor:
-    shape, dtype, device = meta
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _scattered_into(gm: torch.fx.GraphModule) -> set[int]:
