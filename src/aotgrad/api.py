@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from . import inputs as inputs_stage
-from .capture import NeedsSyntheticBase, capture
+from .capture import capture
+from .capture_state import NeedsSyntheticBase
 from .compile import compile_inference, compile_training
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition

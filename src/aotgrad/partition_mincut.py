@@ -130,7 +130,7 @@ import torch.fx
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .capture import BACKWARD_MUTATION
+from .capture_state import BACKWARD_MUTATION
 from .partition import (
     _ancestors,
     _descendants,
