@@ -84,6 +84,11 @@ class ResidualReport:
     fw_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     bw_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     inference: bool = False  # nothing required grad: one inference graph, nothing saved
+    # For aotgrad.explain: the compiled signature's plan, a name per flat caller argument, and the
+    # joint graph the partitioner split (None for an inference graph).
+    plan: Any = field(default=None, repr=False)
+    leaf_names: list[str] = field(default_factory=list, repr=False)
+    joint: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     @property
     def saved_tensors(self) -> list[Residual]:
@@ -345,7 +350,7 @@ def _build_report(run, leaf_names, partitioner, runtime: _SavedCounter, eager: _
     bw = compiled.bw_module
     if bw is None:  # inference graph: nothing is saved
         return ResidualReport(partitioner, [], [], 0, runtime.nbytes, runtime.count, eager.nbytes, eager.count, fw, None,
-                              inference=True)
+                              inference=True, plan=plan, leaf_names=list(leaf_names))
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
     saved = list(fw.graph.output_node().args[0])[compiled.num_fw_outputs :]
     residuals = []
@@ -374,7 +379,7 @@ def _build_report(run, leaf_names, partitioner, runtime: _SavedCounter, eager: _
         if n.op == "call_function" and n.name in fw_ops
     ]
     return ResidualReport(partitioner, residuals, recomputed, total, runtime.nbytes, runtime.count,
-                          eager.nbytes, eager.count, fw, bw)
+                          eager.nbytes, eager.count, fw, bw, plan=plan, leaf_names=list(leaf_names))
 
 
 def _partitioner_name(partition_fn) -> str:
@@ -386,6 +391,75 @@ def _partitioner_name(partition_fn) -> str:
         kw = ", ".join(f"{k}={getattr(v, '__name__', None) or repr(v)}" for k, v in partition_fn.keywords.items())
         return f"{getattr(partition_fn.func, '__name__', 'partition')}({kw})"
     return repr(partition_fn)
+
+
+class _CatchJoint:
+    """Wraps a partitioner to keep the joint graph it was handed (for explain's budget curve)."""
+
+    def __init__(self, partition_fn: Callable):
+        self.partition_fn = partition_fn
+        self.joint: torch.fx.GraphModule | None = None
+        self.num_fwd_outputs = 0
+
+    def __call__(self, joint, joint_inputs, **kwargs):
+        self.joint, self.num_fwd_outputs = joint, kwargs.get("num_fwd_outputs", 0)
+        return self.partition_fn(joint, joint_inputs, **kwargs)
+
+
+@dataclass
+class Program:
+    """A program made ready for reporting: an aot-compiled copy (nop compilers), an eager copy, and
+    the caller's arguments (cloned afresh for each run, so neither copy sees the other's mutations)."""
+
+    compiled: Callable
+    eager: Callable
+    args: tuple
+    kwargs: dict
+    leaf_names: list[str]
+    leaf_kinds: list[str]  # per flat argument: "param", "buffer" or "arg"
+    partition_fn: Callable | None
+    catcher: _CatchJoint
+    module_names: dict[int, str] | None = None
+    eager_state: list = field(default_factory=list)  # the eager module's parameters and buffers
+    compiled_state: list = field(default_factory=list)
+
+    def fresh_args(self) -> tuple[tuple, dict]:
+        return _clone_tree((self.args, self.kwargs))
+
+
+def prepare(fn: Callable, args: tuple, kwargs: dict, partition_fn: Callable | None = None,
+            decompositions: dict | None = None) -> Program:
+    """Compile `fn` (a function, or an nn.Module lifted as `aot_module` lifts it: parameters and
+    buffers become graph inputs that keep `requires_grad`) with the nop compiler, on copies."""
+    from .api import _named_state, aot_function, aot_module
+    from .compilers import nop
+    from .partition import default_partition
+
+    catcher = _CatchJoint(partition_fn or default_partition)
+    if not isinstance(fn, nn.Module):
+        cf = aot_function(fn, nop, decompositions=decompositions, partition_fn=catcher)
+        names = _leaf_names_for_function(fn, args, kwargs)
+        return Program(cf, fn, args, kwargs, names, ["arg"] * len(names), partition_fn, catcher)
+    eager_mod = copy.deepcopy(fn)
+    test_mod = copy.deepcopy(fn)
+    compiled = aot_module(test_mod, nop, decompositions=decompositions, partition_fn=catcher)
+    state_names, state = _named_state(test_mod)
+    num_params = len(list(test_mod.named_parameters(remove_duplicate=False)))
+    arg_names = _leaf_names_for_function(fn.forward, args, kwargs)
+    kinds = ["param"] * num_params + ["buffer"] * (len(state) - num_params) + ["arg"] * len(arg_names)
+    module_names = {id(m): n for n, m in test_mod.named_modules() if n}
+    return Program(compiled, eager_mod, args, kwargs, list(state_names) + arg_names, kinds, partition_fn, catcher,
+                   module_names, _named_state(eager_mod)[1], state)
+
+
+def report_for(program: Program) -> ResidualReport:
+    """Run the program (eager, compile, measure) and build its residual report."""
+    eager_args, eager_kwargs = program.fresh_args()
+    call_args, call_kwargs = program.fresh_args()
+    rep = _report(program.compiled, call_args, call_kwargs, lambda: program.eager(*eager_args, **eager_kwargs),
+                  program.leaf_names, program.partition_fn, program.module_names)
+    rep.joint = program.catcher.joint
+    return rep
 
 
 def _report(compiled_fn, call_args: tuple, call_kwargs: dict, eager_call: Callable, leaf_names, partition_fn,
@@ -413,16 +487,9 @@ def saved_residuals(fn: Callable, *args: Any, partition_fn: Callable | None = No
 
     The program runs on copies of the arguments (three times: eager, compile, measure); the caller's
     tensors and random state are left untouched. `partition_fn` defaults to aot_function's default.
+    An nn.Module is lifted as `aot_module` lifts it (its parameters are inputs that require grad).
     """
-    from .api import aot_function
-    from .compilers import nop
-
-    extra = {} if partition_fn is None else {"partition_fn": partition_fn}
-    cf = aot_function(fn, nop, decompositions=decompositions, **extra)
-    eager_args, eager_kwargs = _clone_tree((args, kwargs))
-    call_args, call_kwargs = _clone_tree((args, kwargs))
-    names = _leaf_names_for_function(fn, args, kwargs)
-    return _report(cf, call_args, call_kwargs, lambda: fn(*eager_args, **eager_kwargs), names, partition_fn)
+    return report_for(prepare(fn, args, kwargs, partition_fn, decompositions))
 
 
 def saved_residuals_module(mod: nn.Module, *args: Any, partition_fn: Callable | None = None,
@@ -430,17 +497,4 @@ def saved_residuals_module(mod: nn.Module, *args: Any, partition_fn: Callable | 
     """`saved_residuals` for a module: parameters and buffers are graph inputs, named as in the module.
 
     Runs on deep copies of the module (buffers such as BatchNorm statistics are not updated)."""
-    from .api import _named_state, aot_module
-    from .compilers import nop
-
-    eager_mod = copy.deepcopy(mod)
-    test_mod = copy.deepcopy(mod)
-    extra = {} if partition_fn is None else {"partition_fn": partition_fn}
-    compiled = aot_module(test_mod, nop, decompositions=decompositions, **extra)
-    eager_args, eager_kwargs = _clone_tree((args, kwargs))
-    call_args, call_kwargs = _clone_tree((args, kwargs))
-    state_names, _ = _named_state(test_mod)
-    names = list(state_names) + _leaf_names_for_function(mod.forward, args, kwargs)
-    module_names = {id(m): n for n, m in test_mod.named_modules() if n}
-    return _report(compiled, call_args, call_kwargs, lambda: eager_mod(*eager_args, **eager_kwargs), names,
-                   partition_fn, module_names)
+    return report_for(prepare(mod, args, kwargs, partition_fn, decompositions))
