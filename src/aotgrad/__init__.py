@@ -83,7 +83,9 @@ from .backend import BackendCompileError, aotgrad_backend, aotgrad_eager, backen
 __all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "config"]
 
 # Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
-# (residuals.py).
+# (residuals.py); what compilation did, as text and HTML (explain_report.py; CLI: python -m aotgrad.explain).
+from .explain_report import Report as ExplainReport  # noqa: E402
+from .explain_report import explain  # noqa: E402
 from .partition_mincut import (  # noqa: E402
     POLICIES,
     PartitionInfo,
@@ -102,8 +104,10 @@ from .residuals import ResidualReport, saved_residuals, saved_residuals_module  
 __all__ += [
     "POLICIES",
     "PartitionInfo",
+    "ExplainReport",
     "ResidualReport",
     "checkpoint_name",
+    "explain",
     "min_cut_rematerialization_partition",
     "mincut_partitioner",
     "recompute_names",

@@ -7,6 +7,7 @@ Set them as module attributes (`aotgrad.config.fallback_to_eager = True`) or for
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,11 @@ symbolic_shapes: bool = True
 # joint-graph passes on aotgrad's joint/inference graph (as upstream's Inductor pipeline does).
 inductor_graph_passes: bool = True
 
-_NAMES = ("fallback_to_eager", "symbolic_shapes", "inductor_graph_passes")
+# Backend path only: write an `aotgrad.explain` HTML report per compiled graph, plus an index.html in
+# graph order, into this directory (explain_compile.py). Default: the AOTGRAD_EXPLAIN_DIR variable.
+explain_dir: str | None = os.environ.get("AOTGRAD_EXPLAIN_DIR") or None
+
+_NAMES = ("fallback_to_eager", "symbolic_shapes", "inductor_graph_passes", "explain_dir")
 
 
 @contextlib.contextmanager

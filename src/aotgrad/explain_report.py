@@ -24,7 +24,16 @@ import torch.fx
 from . import plan as P
 from .errors import AotgradError
 from .explain_memory import BudgetPoint, Timeline, budget_curve, measure_timeline, recompute_cost
-from .residuals import MODULE_KEY, ResidualReport, _fmt_bytes, _op_name, _source_line, _table, prepare, report_for
+from .residuals import (
+    MODULE_KEY,
+    ResidualReport,
+    _fmt_bytes,
+    _op_name,
+    _source_line,
+    _table,
+    prepare,
+    report_for,
+)
 
 log = logging.getLogger("aotgrad.explain")
 
