@@ -221,6 +221,10 @@ class _SourceRecorder(TorchFunctionMode):
             code = frame.f_code
             if user is None and _is_user_file(code.co_filename):
                 user = frame
+            elif user is None and code.co_filename.startswith("<eval_with_key"):
+                found = _graph_module_source(frame)  # a Dynamo graph: its node knows the user's line
+                if found is not None:
+                    return found
             if not module and code.co_name == "forward" and code.co_argcount and not code.co_filename.startswith(_OWN_DIR):
                 owner = frame.f_locals.get(code.co_varnames[0])
                 if isinstance(owner, nn.Module):
@@ -235,6 +239,53 @@ class _SourceRecorder(TorchFunctionMode):
             return ("", module) if module else None
         summary = traceback.FrameSummary(user.f_code.co_filename, user.f_lineno, user.f_code.co_name)
         return "".join(traceback.format_list([summary])).rstrip(), module
+
+
+def _graph_module_source(frame) -> tuple[str, str] | None:
+    """The stack trace and module path that a GraphModule's node (Dynamo's graphs carry them) holds
+    for the line of its generated code this frame is at."""
+    gm = frame.f_locals.get("self")
+    lines = getattr(gm, "_lineno_map", None)
+    if not isinstance(gm, torch.fx.GraphModule) or not lines:
+        return None
+    index = lines.get(frame.f_lineno - getattr(gm, "_prologue_start", 0))
+    nodes = list(gm.graph.nodes)
+    if index is None or index >= len(nodes):
+        return None
+    meta = nodes[index].meta
+    stack = meta.get("nn_module_stack") or {}
+    module = ""
+    if stack:
+        path, cls = list(stack.values())[-1]
+        module = f"{_fqn(path)} ({getattr(cls, '__name__', str(cls).rsplit('.', 1)[-1])})"
+    trace = meta.get("stack_trace") or ""
+    return (trace, module) if trace or module else None
+
+
+def _fqn(dynamo_path: str, drop_root: bool = True) -> str:
+    """`L['self']._modules['h']._modules['0']` -> `h.0`: Dynamo's source names as module paths
+    (`drop_root`: the first name is the module itself, `self`)."""
+    keys = re.findall(r"\['([^']*)'\]|\.([A-Za-z_]\w*)", dynamo_path)
+    parts = [a or b for a, b in keys]
+    if drop_root and len(parts) > 1:
+        parts = parts[1:]
+    parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or dynamo_path
+
+
+def _dynamo_input_names(gm: torch.fx.GraphModule) -> list[str] | None:
+    """Names of a Dynamo graph's inputs from their sources (`l1.weight`, `x`); None if not Dynamo's."""
+    names = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        arg = n.meta.get("grapharg")
+        source = getattr(getattr(arg, "source", None), "name", None)
+        if source is None:
+            return None
+        source = source() if callable(source) else source
+        names.append(_fqn(source, drop_root=any(k in source for k in ("_modules", "_parameters", "_buffers"))))
+    return names
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n\s*(.*))?')
@@ -439,14 +490,18 @@ def prepare(fn: Callable, args: tuple, kwargs: dict, partition_fn: Callable | No
     if not isinstance(fn, nn.Module):
         cf = aot_function(fn, nop, decompositions=decompositions, partition_fn=catcher)
         names = _leaf_names_for_function(fn, args, kwargs)
-        return Program(cf, fn, args, kwargs, names, ["arg"] * len(names), partition_fn, catcher)
+        kinds = ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
+        return Program(cf, fn, args, kwargs, names, kinds, partition_fn, catcher)
     eager_mod = copy.deepcopy(fn)
     test_mod = copy.deepcopy(fn)
     compiled = aot_module(test_mod, nop, decompositions=decompositions, partition_fn=catcher)
     state_names, state = _named_state(test_mod)
     num_params = len(list(test_mod.named_parameters(remove_duplicate=False)))
     arg_names = _leaf_names_for_function(fn.forward, args, kwargs)
-    kinds = ["param"] * num_params + ["buffer"] * (len(state) - num_params) + ["arg"] * len(arg_names)
+    if isinstance(fn, torch.fx.GraphModule) and not kwargs:
+        arg_names = _dynamo_input_names(fn) or arg_names
+    kinds = ["param"] * num_params + ["buffer"] * (len(state) - num_params)
+    kinds += ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
     module_names = {id(m): n for n, m in test_mod.named_modules() if n}
     return Program(compiled, eager_mod, args, kwargs, list(state_names) + arg_names, kinds, partition_fn, catcher,
                    module_names, _named_state(eager_mod)[1], state)
