@@ -37,6 +37,7 @@ class Timeline:
     live: list[int] = field(default_factory=list)  # bytes alive after op i
     ops: list[str] = field(default_factory=list)  # op i's name
     backward_start: int = 0  # index of the first backward op
+    at_backward_start: int = 0  # bytes alive when the backward is called: what the forward left for it
 
     @property
     def peak(self) -> int:
@@ -49,11 +50,6 @@ class Timeline:
     @property
     def peak_phase(self) -> str:
         return "forward" if self.peak_index < self.backward_start else "backward"
-
-    @property
-    def at_backward_start(self) -> int:
-        """Bytes alive when the backward starts: what the forward left for it (saved + outputs)."""
-        return self.live[self.backward_start - 1] if 0 < self.backward_start <= len(self.live) else 0
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -104,6 +100,7 @@ def measure_timeline(label: str, step: Callable[[], Any], held: Any) -> Timeline
     with mode:
         outs = step()
         mode.timeline.backward_start = len(mode.timeline.live)
+        mode.timeline.at_backward_start = mode.total
         heads = [t for t in pytree.tree_leaves(outs) if isinstance(t, torch.Tensor) and t.requires_grad
                  and t.grad_fn is not None]
         if heads:

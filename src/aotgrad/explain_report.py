@@ -173,7 +173,7 @@ def _chain(chain: P.ViewChain) -> str:
 def _output_what(plan: P.Plan, src: Any, labels: list[str]) -> str:
     if isinstance(src, P.GraphOutput):
         diff = plan.fw_outputs[src.index].differentiable if src.index < len(plan.fw_outputs) else False
-        return f"graph output #{src.index}" + ("" if diff else " (not differentiable)")
+        return f"graph output #{src.index}" + ("" if diff or not plan.is_training else " (not differentiable)")
     if isinstance(src, P.Constant):
         return f"constant {src.value!r}"
     if isinstance(src, P.InputItself):
