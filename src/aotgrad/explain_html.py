@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .residuals import _fmt_bytes
+from .residuals import _fmt_bytes, _is_matmul_name
 
 __all__ = ["budget_svg", "render_html", "timeline_svg"]
 
@@ -135,7 +135,8 @@ def budget_svg(curve: list, chosen) -> str:
              f"viewBox='0 0 {_W} {_H}' role='img' aria-label='memory budget curve'>", _yticks(top, y)]
     for i in range(5):
         v = xmax * i / 4
-        parts.append(f"<text x='{x(v):.1f}' y='{_H - _B + 15}' text-anchor='middle'>{_e(_flops(v))}</text>")
+        anchor = "end" if i == 4 else "middle"
+        parts.append(f"<text x='{x(v):.1f}' y='{_H - _B + 15}' text-anchor='{anchor}'>{_e(_flops(v))}</text>")
     if curve:
         line = " ".join(f"{x(p.recompute_flops):.1f},{y(p.saved_bytes):.1f}" for p in curve)
         parts.append(f"<polyline fill='none' stroke='{_BLUE}' stroke-width='1.5' points='{line}'/>")
@@ -176,13 +177,23 @@ def _cards(r) -> str:
 
 
 def _plan_html(r) -> str:
-    rows = []
-    for i in r.inputs:
-        facts = "; ".join(i.facts)
+    head = ["input", "shape", "dtype", "requires grad", "what the program did to it"]
+
+    def row(i) -> list[str]:
         cls = "ok" if i.facts == ("read only",) else "mut"
-        rows.append([f"<code>{_e(i.name)}</code>", _e(list(i.shape)), _e(i.dtype), "yes" if i.requires_grad else "",
-                     f"<span class='{cls}'>{_e(facts)}</span>"])
-    out = "<h3>Inputs</h3>" + _tbl(["input", "shape", "dtype", "requires grad", "what the program did to it"], rows)
+        return [f"<code>{_e(i.name)}</code>", _e(list(i.shape)), _e(i.dtype), "yes" if i.requires_grad else "",
+                f"<span class='{cls}'>{_e('; '.join(i.facts))}</span>"]
+
+    touched = [i for i in r.inputs if i.facts != ("read only",)]
+    quiet = [i for i in r.inputs if i.facts == ("read only",)]
+    out = "<h3>Inputs</h3>"
+    if touched:
+        out += _tbl(head, [row(i) for i in touched])
+    else:
+        out += "<p>The program reads its inputs only.</p>"
+    if quiet:
+        out += (f"<details><summary>{len(quiet)} inputs read only</summary>" + _tbl(head, [row(i) for i in quiet])
+                + "</details>")
     rows = [[_e(o.position), _e(o.what)] for o in r.outputs]
     return out + "<h3>Outputs</h3>" + _tbl(["output", "what it is"], rows)
 
@@ -202,14 +213,23 @@ def _saved_html(r) -> str:
     res = r.residuals
     if res.inference:
         return "<p>No input requires grad: one inference graph, nothing is saved.</p>"
+    head = ["#", "shape", "dtype", "bytes", "produced by", "source", "module"]
     rows = [[_e(i), _e("-" if s.shape is None else list(s.shape)), _e(s.dtype or "-").replace("torch.", ""),
              _e(_fmt_bytes(s.nbytes)), f"<code>{_e(s.op)}</code>", _e(s.source or "-"), _e(s.module or "-")]
             for i, s in enumerate(res.residuals)]
-    out = _tbl(["#", "shape", "dtype", "bytes", "produced by", "source", "module"], rows, {0, 3})
+    made = [rw for rw, s in zip(rows, res.residuals) if s.op != "input"]
+    inputs = [rw for rw, s in zip(rows, res.residuals) if s.op == "input"]
+    held = sum(s.nbytes for s in res.residuals if s.op == "input")
+    out = f"<p>Activations the forward saves ({len(made)}):</p>" + _tbl(head, made, {0, 3})
+    if inputs:
+        out += (f"<details><summary>and {len(inputs)} inputs it hands over as they are ({_e(_fmt_bytes(held))}, "
+                "held by the caller anyway)</summary>" + _tbl(head, inputs, {0, 3}) + "</details>")
     again = [x for x in res.recomputed if not x.free]
     if again:
         rows = [[f"<code>{_e(x.name)}</code>", _e(x.op), _e(x.source or "-"), _e(x.module or "-")] for x in again]
-        out += f"<p>The backward recomputes {len(again)} ops:</p>" + _tbl(["node", "op", "source", "module"], rows)
+        heavy = sum(_is_matmul_name(x.op) for x in again)
+        out += (f"<details><summary>The backward recomputes {len(again)} ops ({heavy} matmul/conv/attention)"
+                "</summary>" + _tbl(["node", "op", "source", "module"], rows) + "</details>")
     else:
         out += "<p>The backward recomputes nothing (views and getitems aside).</p>"
     return out + (f"<p><b>Totals</b>: graph {_e(_fmt_bytes(res.saved_bytes))} in {len(res.saved_tensors)} tensors; "
@@ -219,7 +239,8 @@ def _saved_html(r) -> str:
 
 def render_html(r) -> str:
     body = [f"<h1>aotgrad.explain: {_e(r.title)}</h1><div class='sub'>partitioner: {_e(r.partitioner or '-')}"
-            + (f", memory_budget={_e(r.memory_budget)}" if r.memory_budget is not None else "") + "</div>"]
+            + (f", memory_budget={_e(r.memory_budget)}" if r.memory_budget is not None
+               and "memory_budget" not in r.partitioner else "") + "</div>"]
     if r.refusal:
         body.append(f"<h2>Refused</h2><div class='refusal'>{_e(r.refusal)}</div>")
     else:

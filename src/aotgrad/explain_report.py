@@ -330,7 +330,8 @@ def _timelines(program) -> list[Timeline]:
 
 def render_text(r: Report) -> str:
     lines = [f"aotgrad.explain: {r.title}", f"partitioner: {r.partitioner or '-'}"
-             + (f", memory_budget={r.memory_budget}" if r.memory_budget is not None else ""), ""]
+             + (f", memory_budget={r.memory_budget}" if r.memory_budget is not None
+                and "memory_budget" not in r.partitioner else ""), ""]
     if r.refusal:
         return "\n".join(lines + ["REFUSED: " + r.refusal])
     lines.append("1. Plan")
