@@ -274,3 +274,23 @@ def test_module_stays_callable_after_importing_the_cli_module():
 
     r = cli(lambda x: x.sin(), torch.randn(3), timeline=False)
     assert r.residuals.inference and r.outputs[0].what == "graph output #0"
+
+
+def test_explain_dir_with_dynamic_shapes_and_floats_dynamo_made_dynamic(tmp_path):
+    """BatchNorm's eps and momentum reach the graph as 0-d tensors read with .item() under
+    dynamic=True; the report takes their values (the compile itself is unchanged)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh())
+    ref = copy.deepcopy(mod)
+    compiled = torch.compile(mod, backend="aotgrad_eager", dynamic=True)
+    x = torch.randn(5, 8)
+    with aotgrad.config.patch(explain_dir=str(tmp_path)):
+        out = compiled(x)
+    torch.testing.assert_close(out, ref(x))
+    torch.testing.assert_close(mod[1].running_mean, ref[1].running_mean)
+    assert sorted(os.listdir(tmp_path)) == ["graph_000.html", "index.html"]
+    page = (tmp_path / "graph_000.html").read_text()
+    assert "eps=1e-05" in page and "momentum=0.1" in page
+    assert "buffer &#x27;1.running_mean&#x27;" in page and "data mutated" in page
+    torch._dynamo.reset()

@@ -52,6 +52,7 @@ def explain_graph(gm: torch.fx.GraphModule, example_inputs: list, backend: Any, 
     try:
         os.makedirs(directory, exist_ok=True)
         args = _concrete(list(example_inputs))
+        gm, floats = _specialise_items(gm, args)
         report = torch._dynamo.disable(explain)(
             gm, *args, partition_fn=backend._partition_fn(), decompositions=_decompositions(backend))
     except Exception as e:
@@ -61,12 +62,37 @@ def explain_graph(gm: torch.fx.GraphModule, example_inputs: list, backend: Any, 
         entries = _written.setdefault(os.path.abspath(directory), [])
         name = f"graph_{len(entries):03d}.html"
         cid = _compile_id()
-        report.title = f"Dynamo graph {len(entries)}" + (f" (compile id {cid})" if cid else "")
+        report.title = f"Dynamo graph {len(entries)}" + (f" (compile id {cid})" if cid else "") + (
+            f"; floats Dynamo made dynamic taken as their values here: {', '.join(floats)}" if floats else "")
         path = report.save_html(os.path.join(directory, name))
         entries.append((name, report.title, _summary(report, _fmt_bytes)))
         _write_index(directory, entries)
     log.info("aotgrad.explain: wrote %s", path)
     return path
+
+
+def _specialise_items(gm: torch.fx.GraphModule, args: list) -> tuple[torch.fx.GraphModule, list[str]]:
+    """A copy of `gm` where `.item()` of a 0-d tensor input (a float Dynamo made dynamic: a module's
+    `eps`, BatchNorm's `momentum`) is that input's example value: traced on real tensors, the call
+    has no symbol to answer with. The backend compiles the graph itself, unchanged."""
+    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    items = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item" and n.args[0] in placeholders]
+    if not items:
+        return gm, []
+    graph = torch.fx.Graph()
+    env: dict = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    names = []
+    for node in items:
+        value = args[placeholders[node.args[0]]].item()
+        copied = env[node]
+        for user in list(copied.users):
+            user.replace_input_with(copied, value)
+        graph.erase_node(copied)
+        names.append(f"{node.args[0].name}={value:g}")
+    out = torch.fx.GraphModule(gm, graph)
+    out.meta = dict(gm.meta)
+    return out, names
 
 
 def _summary(report, fmt) -> str:

@@ -273,9 +273,10 @@ def _fqn(dynamo_path: str, drop_root: bool = True) -> str:
     return ".".join(parts) or dynamo_path
 
 
-def _dynamo_input_names(gm: torch.fx.GraphModule) -> list[str] | None:
-    """Names of a Dynamo graph's inputs from their sources (`l1.weight`, `x`); None if not Dynamo's."""
-    names = []
+def _dynamo_inputs(gm: torch.fx.GraphModule) -> list[tuple[str, str]] | None:
+    """(name, kind) of a Dynamo graph's inputs from their sources (`l1.weight`, "param"; `x`, "arg");
+    None if the graph is not Dynamo's."""
+    out = []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
@@ -284,8 +285,9 @@ def _dynamo_input_names(gm: torch.fx.GraphModule) -> list[str] | None:
         if source is None:
             return None
         source = source() if callable(source) else source
-        names.append(_fqn(source, drop_root=any(k in source for k in ("_modules", "_parameters", "_buffers"))))
-    return names
+        kind = "param" if "_parameters" in source else "buffer" if "_buffers" in source else "arg"
+        out.append((_fqn(source, drop_root=any(k in source for k in ("_modules", "_parameters", "_buffers"))), kind))
+    return out
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n\s*(.*))?')
@@ -498,10 +500,12 @@ def prepare(fn: Callable, args: tuple, kwargs: dict, partition_fn: Callable | No
     state_names, state = _named_state(test_mod)
     num_params = len(list(test_mod.named_parameters(remove_duplicate=False)))
     arg_names = _leaf_names_for_function(fn.forward, args, kwargs)
-    if isinstance(fn, torch.fx.GraphModule) and not kwargs:
-        arg_names = _dynamo_input_names(fn) or arg_names
     kinds = ["param"] * num_params + ["buffer"] * (len(state) - num_params)
-    kinds += ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
+    arg_kinds = ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
+    dynamo = _dynamo_inputs(fn) if isinstance(fn, torch.fx.GraphModule) and not kwargs else None
+    if dynamo is not None and len(dynamo) == len(arg_kinds):
+        arg_names, arg_kinds = [n for n, _ in dynamo], [k for _, k in dynamo]
+    kinds += arg_kinds
     module_names = {id(m): n for n, m in test_mod.named_modules() if n}
     return Program(compiled, eager_mod, args, kwargs, list(state_names) + arg_names, kinds, partition_fn, catcher,
                    module_names, _named_state(eager_mod)[1], state)
