@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -294,3 +295,78 @@ def test_explain_dir_with_dynamic_shapes_and_floats_dynamo_made_dynamic(tmp_path
     assert "eps=1e-05" in page and "momentum=0.1" in page
     assert "buffer &#x27;1.running_mean&#x27;" in page and "data mutated" in page
     torch._dynamo.reset()
+
+
+def _dup(a, b):
+    return a * b
+
+
+def _set(a, b):
+    a.set_(b.detach() * 2)
+    return a + 1
+
+
+def _meta(a):
+    a.t_()
+    return a * 2
+
+
+def _overlap(a, b):
+    a.add_(1)
+    return a * b.sum()
+
+
+def _no_grad(a, w):
+    with torch.no_grad():
+        a.mul_(2)
+    return a * w
+
+
+def _flip(a):
+    a.requires_grad_()
+    return a * 2
+
+
+def _case_inputs(name):
+    torch.manual_seed(0)
+    if name == "dup":
+        t = torch.randn(3, requires_grad=True)
+        return (t, t)
+    if name == "set":
+        return torch.randn(3), torch.randn(3, requires_grad=True)
+    if name == "overlap":
+        base = torch.randn(6, requires_grad=True).clone()
+        return base[:3], base[2:]
+    if name == "no_grad":
+        return torch.randn(3, requires_grad=True).clone(), torch.randn(3, requires_grad=True)
+    return (torch.randn(2, 3),)
+
+
+@pytest.mark.parametrize("fn, name, expected", [
+    (_dup, "dup", [("b", "duplicate of arg 'a' (one graph input)")]),
+    (_set, "set", [("a", "set_: storage swapped"), ("b", "read only")]),
+    (_meta, "meta", [("a", "metadata mutated (size/stride/offset changed in place)")]),
+    (_overlap, "overlap", [("a", "synthetic base: overlaps other mutated inputs; seen as as_strided(graph input 0 = "
+                                 "base of arg 'a', [3], [1], 0)"),
+                           ("a", "its base: data mutated, copied back after the graph"),
+                           ("b", "synthetic base: overlaps other mutated inputs; seen as as_strided(graph input 0 = "
+                                 "base of arg 'a', [4], [1], 2)")]),
+    (_no_grad, "no_grad", [("a", "data mutated under no_grad / through .detach() (autograd does not see it), "
+                                 "copied back after the graph")]),
+    (_flip, "flip", [("a", "requires_grad_() switched on by the program")]),
+])
+def test_plan_facts_per_input(fn, name, expected):
+    r = aotgrad.explain(fn, *_case_inputs(name), timeline=False, budget_points=0)
+    assert r.refusal is None
+    for arg, fact in expected:
+        assert fact in r.input_named(f"'{arg}'").facts, r.input_named(f"'{arg}'").facts
+
+
+def test_outputs_that_are_the_same_object_or_the_input_itself():
+    def f(a):
+        y = a * 2
+        return y, y, a
+
+    r = aotgrad.explain(f, torch.randn(4, requires_grad=True), timeline=False, budget_points=0)
+    assert [o.what for o in r.outputs] == ["graph output #0", "alias of output 0 (the same tensor object)",
+                                           "the input arg 'a' itself"]

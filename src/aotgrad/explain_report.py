@@ -136,6 +136,15 @@ def _input_facts(plan: P.Plan, i: int, labels: list[str], requires_grad: bool) -
             facts.append(f"synthetic base: graph input {k} is a flat view of its whole storage")
     if k is None:
         return facts or ["not a graph input (constant)"]
+    own = len(facts)
+    facts += _mutation_facts(plan, k, requires_grad)
+    if i in layout.leaf_views:  # the facts are the base's: every input that is a view of it shares them
+        facts[own:] = [f"its base: {f}" for f in facts[own:]]
+    return facts or ["read only"]
+
+
+def _mutation_facts(plan: P.Plan, k: int, requires_grad: bool) -> list[str]:
+    facts = []
     m = plan.mutations[k]
     if m.data:
         where = "" if m.visible_to_autograd or not requires_grad else " under no_grad / through .detach() (autograd does not see it)"
@@ -153,7 +162,7 @@ def _input_facts(plan: P.Plan, i: int, labels: list[str], requires_grad: bool) -
         facts.append("detach_() in place")
     if k in plan.grad_free:
         facts.append("requires grad, but no output depends on it: gets no gradient")
-    return facts or ["read only"]
+    return facts
 
 
 def _chain(chain: P.ViewChain) -> str:

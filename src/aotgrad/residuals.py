@@ -21,6 +21,7 @@ The report is a `ResidualReport`; `str(report)` is the plain-text table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
@@ -341,14 +342,29 @@ class _SavedCounter:
 
 
 def _clone_tree(tree: Any) -> Any:
+    """Copies of the tensors in `tree` that alias and track gradients as the originals do: one copy
+    per distinct tensor, a view is the same view of its base's copy (so inputs sharing a storage
+    still share one, and aotgrad's plan for them - a synthetic base - is the one reported), and a
+    non-leaf that requires grad stays a non-leaf."""
     memo: dict[int, torch.Tensor] = {}
 
     def clone(x):
         if not isinstance(x, torch.Tensor):
             return x
-        if id(x) not in memo:
-            memo[id(x)] = x.detach().clone().requires_grad_(x.requires_grad)
-        return memo[id(x)]
+        if id(x) in memo:
+            return memo[id(x)]
+        base = x._base
+        if base is not None and x.layout is torch.strided and not base.is_sparse:
+            b = clone(base)
+            grad = contextlib.nullcontext() if x.requires_grad or not b.requires_grad else torch.no_grad()
+            with grad:
+                out = b.as_strided(x.size(), x.stride(), x.storage_offset())
+        else:
+            out = x.detach().clone()
+            if x.requires_grad:
+                out = out.requires_grad_() if x.is_leaf else out.requires_grad_().clone()
+        memo[id(x)] = out
+        return out
 
     return pytree.tree_map(clone, tree)
 
