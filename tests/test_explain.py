@@ -218,6 +218,13 @@ def test_html_is_self_contained_with_charts_and_collapsed_graphs(tmp_path):
     assert page.count("<details>") >= 4 and "<details open" not in page  # inputs, saved inputs, graphs
     assert "param &#x27;fc1.weight&#x27;" in page and "buffer &#x27;calls&#x27;" in page
     assert page.count("class='peak'") == 2
+    # nodes link to the user's file (full path and line in the title); saved values to their node
+    here = os.path.abspath(__file__)
+    assert re.search(rf"<a href='file://{re.escape(here)}' title='{re.escape(here)}:\d+'>test_explain.py:\d+ in forward",
+                     page)
+    saved = r.residuals.residuals[-1].name
+    assert f"href='#forward-{saved}'" in page and f"id='forward-{saved}'" in page
+    assert "def forward(self" in str(r)  # small graphs' code is in the text too
 
 
 def test_explain_dir_writes_a_report_per_compiled_graph_and_an_index(tmp_path):

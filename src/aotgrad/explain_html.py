@@ -21,6 +21,7 @@ h1{font-size:22px;margin:4px 0 2px}h2{font-size:17px;margin:26px 0 8px;border-bo
 table{border-collapse:collapse;background:#fff;margin:6px 0;font-size:13px}
 th,td{border:1px solid #d6dce5;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#e9eef5}td.n{text-align:right;font-variant-numeric:tabular-nums}
+a{color:#1d4ed8;text-decoration:none}a:hover{text-decoration:underline}
 code,pre{font:12px/1.4 ui-monospace,Menlo,Consolas,monospace}
 pre{background:#fff;border:1px solid #d6dce5;padding:8px;overflow:auto;max-height:420px}
 details{background:#fff;border:1px solid #d6dce5;border-radius:6px;margin:6px 0;padding:4px 10px}
@@ -198,11 +199,21 @@ def _plan_html(r) -> str:
     return out + "<h3>Outputs</h3>" + _tbl(["output", "what it is"], rows)
 
 
+def _source_cell(source: str, path: str) -> str:
+    """The user's line, linked to its file (the full path and line in the link's title)."""
+    if not source:
+        return "-"
+    if not path:
+        return _e(source)
+    file = path.rsplit(":", 1)[0]
+    return f"<a href='file://{_e(file)}' title='{_e(path)}'>{_e(source)}</a>"
+
+
 def _graphs_html(r) -> str:
     out = []
     for g in r.graphs:
-        rows = [[f"<code>{_e(n.name)}</code>", _e(n.op), _e(n.shape), _e(n.source or "-"), _e(n.module or "-")]
-                for n in g.nodes]
+        rows = [[f"<code id='{_e(g.kind)}-{_e(n.name)}'>{_e(n.name)}</code>", _e(n.op), _e(n.shape),
+                 _source_cell(n.source, n.path), _e(n.module or "-")] for n in g.nodes]
         out.append(f"<details><summary>{_e(g.kind)} graph: {g.num_ops} ops, {g.num_nodes} nodes</summary>"
                    + _tbl(["node", "op", "value", "source line", "module"], rows)
                    + f"<pre>{_e(g.code)}</pre></details>")
@@ -214,9 +225,9 @@ def _saved_html(r) -> str:
     if res.inference:
         return "<p>No input requires grad: one inference graph, nothing is saved.</p>"
     head = ["#", "shape", "dtype", "bytes", "produced by", "source", "module"]
-    rows = [[_e(i), _e("-" if s.shape is None else list(s.shape)), _e(s.dtype or "-").replace("torch.", ""),
-             _e(_fmt_bytes(s.nbytes)), f"<code>{_e(s.op)}</code>", _e(s.source or "-"), _e(s.module or "-")]
-            for i, s in enumerate(res.residuals)]
+    rows = [[f"<a href='#forward-{_e(s.name)}'>{i}</a>", _e("-" if s.shape is None else list(s.shape)),
+             _e(s.dtype or "-").replace("torch.", ""), _e(_fmt_bytes(s.nbytes)), f"<code>{_e(s.op)}</code>",
+             _e(s.source or "-"), _e(s.module or "-")] for i, s in enumerate(res.residuals)]
     made = [rw for rw, s in zip(rows, res.residuals) if s.op != "input"]
     inputs = [rw for rw, s in zip(rows, res.residuals) if s.op == "input"]
     held = sum(s.nbytes for s in res.residuals if s.op == "input")
@@ -226,7 +237,8 @@ def _saved_html(r) -> str:
                 "held by the caller anyway)</summary>" + _tbl(head, inputs, {0, 3}) + "</details>")
     again = [x for x in res.recomputed if not x.free]
     if again:
-        rows = [[f"<code>{_e(x.name)}</code>", _e(x.op), _e(x.source or "-"), _e(x.module or "-")] for x in again]
+        rows = [[f"<a href='#backward-{_e(x.name)}'><code>{_e(x.name)}</code></a>", _e(x.op), _e(x.source or "-"),
+                 _e(x.module or "-")] for x in again]
         heavy = sum(_is_matmul_name(x.op) for x in again)
         out += (f"<details><summary>The backward recomputes {len(again)} ops ({heavy} matmul/conv/attention)"
                 "</summary>" + _tbl(["node", "op", "source", "module"], rows) + "</details>")

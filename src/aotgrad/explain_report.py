@@ -25,6 +25,7 @@ from . import plan as P
 from .errors import AotgradError
 from .explain_memory import BudgetPoint, Timeline, budget_curve, measure_timeline, recompute_cost
 from .residuals import (
+    _FRAME_RE,
     MODULE_KEY,
     ResidualReport,
     _fmt_bytes,
@@ -62,6 +63,7 @@ class NodeRow:
     shape: str
     source: str  # user file:line, where known
     module: str  # module path, where known
+    path: str = ""  # the user file's full path and line ("/abs/file.py:12")
 
 
 @dataclass
@@ -230,6 +232,11 @@ def _module_path(node: torch.fx.Node) -> str:
     return ""
 
 
+def _source_path(node: torch.fx.Node) -> str:
+    matches = list(_FRAME_RE.finditer(node.meta.get("stack_trace") or ""))
+    return f"{matches[-1].group(1)}:{matches[-1].group(2)}" if matches else ""
+
+
 def _shape(val: Any) -> str:
     if isinstance(val, torch.Tensor):
         return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}"
@@ -241,7 +248,7 @@ def _shape(val: Any) -> str:
 def graph_info(kind: str, gm: torch.fx.GraphModule) -> GraphInfo:
     nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
     rows = [NodeRow(n.name, "input" if n.op == "placeholder" else _op_name(n.target), _shape(n.meta.get("val")),
-                    _source_line(n), _module_path(n)) for n in nodes]
+                    _source_line(n), _module_path(n), _source_path(n)) for n in nodes]
     return GraphInfo(kind, len(gm.graph.nodes), sum(n.op == "call_function" for n in gm.graph.nodes),
                      gm.code.strip(), rows)
 
@@ -337,6 +344,9 @@ def _timelines(program) -> list[Timeline]:
 # ------------------------------------------------------------------------------------------------
 
 
+_CODE_IN_TEXT = 40  # graphs with more ops than this are listed by size only in the text
+
+
 def render_text(r: Report) -> str:
     lines = [f"aotgrad.explain: {r.title}", f"partitioner: {r.partitioner or '-'}"
              + (f", memory_budget={r.memory_budget}" if r.memory_budget is not None
@@ -352,6 +362,10 @@ def render_text(r: Report) -> str:
     lines += [""] + _table(rows, "rl") + ["", "2. Graphs"]
     for g in r.graphs:
         lines.append(f"  {g.kind}: {g.num_ops} ops, {g.num_nodes} nodes")
+        if g.num_ops <= _CODE_IN_TEXT:
+            lines += ["    " + x for x in g.code.splitlines()]
+        else:
+            lines.append(f"    (code: report.graphs[{r.graphs.index(g)}].code, or the HTML page)")
     lines += ["", "3. Saved and recomputed"]
     lines += ["  " + x for x in str(r.residuals).splitlines()[1:]]
     if r.timelines:
