@@ -59,7 +59,10 @@ def _inputs(module: types.ModuleType, name: str | None) -> tuple[tuple, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aotgrad.explain", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m aotgrad.explain",
+        description="Print what aotgrad's compilation does to a function or module in a script (aotgrad.explain); "
+        "--html also writes it as one self-contained page.")
     p.add_argument("target", help="path/to/script.py:function (a function or an nn.Module)")
     p.add_argument("--inputs", help="a function in the script returning the example arguments")
     p.add_argument("--html", help="also write the report as one HTML page here")
