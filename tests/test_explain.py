@@ -269,7 +269,7 @@ def test_cli_runs_a_script_function_with_example_inputs(tmp_path):
     out = tmp_path / "r.html"
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
     proc = subprocess.run([sys.executable, "-m", "aotgrad.explain", f"{script}:step", "--inputs", "make_inputs",
-                           "--html", str(out), "--partitioner", "mincut"], capture_output=True, text=True, env=env,
+                           "--html", str(out), "--partitioner", "mincut", "--budget-points", "3"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "1. Plan" in proc.stdout and "arg 'w'" in proc.stdout and "5. Memory budget" in proc.stdout

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--html", help="also write the report as one HTML page here")
     p.add_argument("--memory-budget", type=float, default=None, help="min-cut memory budget in 0..1")
     p.add_argument("--partitioner", choices=["default", "mincut"], default="default")
+    p.add_argument("--budget-points", type=int, default=11, help="budgets in 0..1 on the min-cut curve (0: none)")
     ns = p.parse_args(argv)
     path, _, name = ns.target.rpartition(":")
     if not path or not name:
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     part = None
     if ns.partitioner == "mincut":
         from .partition_mincut import min_cut_rematerialization_partition as part
-    report = explain(fn, *args, partition_fn=part, memory_budget=ns.memory_budget, **kwargs)
+    report = explain(fn, *args, partition_fn=part, memory_budget=ns.memory_budget, budget_points=ns.budget_points,
+                     **kwargs)
     print(report)
     if ns.html:
         report.save_html(ns.html)
