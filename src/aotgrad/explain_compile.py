@@ -38,14 +38,14 @@ def _compile_id() -> str:
 def _decompositions(backend: Any) -> dict | None:
     if backend.decompositions is not None or not backend.use_inductor:
         return backend.decompositions
-    from .backend import _inductor_decompositions
+    from .backend_inductor import _inductor_decompositions
 
     return _inductor_decompositions()
 
 
 def explain_graph(gm: torch.fx.GraphModule, example_inputs: list, backend: Any, directory: str) -> str | None:
     """Write the report for one Dynamo graph into `directory`; return its path (None on failure)."""
-    from .backend import _concrete
+    from .backend_shapes import _concrete
     from .explain_report import explain
     from .residuals import _fmt_bytes
 
