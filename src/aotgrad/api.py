@@ -81,6 +81,9 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
     else:
         compiled = compile_inference(captured, config.inference_compiler, primals)
     plan = captured.plan
+    # The caller's non-tensor arguments were needed for the trace only; the signature holds what it
+    # read off them (guards.py), so the cache must not keep them alive.
+    plan = replace(plan, layout=replace(plan.layout, constants=dict.fromkeys(plan.layout.constants)))
     symbols = symbols_in(plan)
     if symbols:  # dynamic sizes in view arguments or restrides: read them off the inputs per call
         plan = replace(plan, symbol_sources=inputs_stage.symbol_sources(leaves, symbols))

@@ -58,6 +58,15 @@ def patch(**changes: Any) -> Iterator[None]:
         module.update(old)
 
 
+def torch_activation_memory_budget() -> float | None:
+    """`torch._functorch.config.activation_memory_budget` when the user changed it from its default
+    (1.0), else None: the backend passes it to its partitioner unless `memory_budget=` was given."""
+    import torch._functorch.config as functorch_config
+
+    budget = functorch_config.activation_memory_budget
+    return None if budget == 1.0 else float(budget)
+
+
 class _ConfigModule(types.ModuleType):
     """Refuses assignments to names that are not options (`aotgrad.config.recompile_limt = 2`)."""
 

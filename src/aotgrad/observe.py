@@ -23,8 +23,11 @@ import torch._logging
 from .errors import CompilerError
 
 log = logging.getLogger("aotgrad.stages")
-graphs_log = torch._logging.getArtifactLogger(__name__, "aot_graphs")
-joint_log = torch._logging.getArtifactLogger(__name__, "aot_joint_graph")
+# torch's artifact loggers of upstream's names; under the `torch` logger, where TORCH_LOGS installs
+# its handler (a logger outside it would need registering as a torch log, which makes torch reset
+# its propagation on every `set_logs`).
+graphs_log = torch._logging.getArtifactLogger(f"torch.{__name__}", "aot_graphs")
+joint_log = torch._logging.getArtifactLogger(f"torch.{__name__}", "aot_joint_graph")
 
 _totals: dict[str, float] = {}
 _counts: dict[str, int] = {}
