@@ -76,6 +76,34 @@ def test_closure_only_input_requiring_grad_builds_a_training_graph():
     torch.testing.assert_close(W.grad, torch.ones(3))
 
 
+GLOBAL_W = torch.randn(4, requires_grad=True)
+
+
+def _uses_global(x):
+    return (x * GLOBAL_W).sum()
+
+
+def test_rebound_global_and_reassigned_closed_over_parameter_are_followed():
+    global GLOBAL_W
+    f = aot_function(_uses_global, nop)
+    x = torch.randn(4)
+    f(x).backward()
+    torch.testing.assert_close(GLOBAL_W.grad, x)
+    GLOBAL_W = torch.randn(4, requires_grad=True)  # rebound: the new tensor is read and gets the grad
+    out = f(x)
+    torch.testing.assert_close(out, (x * GLOBAL_W).sum())
+    out.backward()
+    torch.testing.assert_close(GLOBAL_W.grad, x)
+    lin = nn.Linear(4, 2)
+    g = aot_function(lambda x: lin(x).sum(), nop)
+    g(x)
+    lin.weight = nn.Parameter(torch.randn(2, 4))
+    out = g(x)
+    torch.testing.assert_close(out, lin(x).sum())
+    out.backward()
+    torch.testing.assert_close(lin.weight.grad, x.expand(2, 4))
+
+
 def test_global_tensor_in_module_through_aot_module():
     torch.manual_seed(0)
     scale = torch.randn(4, requires_grad=True)

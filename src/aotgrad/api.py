@@ -125,6 +125,8 @@ class CompiledFunction:
 
     def __call__(self, *args, **kwargs):
         if self.lifted:
+            if not self._lifted_in_place():  # a closure or global rebound to another tensor
+                self._relift()
             args = (*self.lifted, *args)
         if not kwargs:
             for guard, run in self.fast:
@@ -167,8 +169,21 @@ class CompiledFunction:
         log.debug("aotgrad: lifting closed-over tensors that require grad to inputs of %s: %s",
                   getattr(self.fn, "__qualname__", self.fn), lifting.describe(tensors))
         self.lifted = (*self.lifted, *tensors)
+        self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
         self.cache.clear()  # earlier entries take fewer leading arguments
         self.fast.clear()
+
+    def _relift(self) -> None:
+        """Pass the tensors now found where the lifted ones were; when one is gone or no longer
+        requires grad, forget the lifting (the next trace finds what to lift again)."""
+        current = self._read_lifted()
+        if lifting.still_liftable(current):
+            self.lifted = tuple(current)  # same signature parts: compiled entries stay valid
+            self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
+        else:
+            self.lifted = ()
+            self.cache.clear()
+            self.fast.clear()
 
     def _note_recompile(self, key: tuple, args: tuple, kwargs: dict) -> None:
         names = guards.leaf_names(args, kwargs, len(self.lifted))

@@ -84,3 +84,67 @@ def with_lifted(fn: Callable, lifted: Sequence[torch.Tensor]) -> Callable:
 
 def describe(tensors: Sequence[torch.Tensor]) -> str:
     return ", ".join(f"{type(t).__name__}{tuple(t.shape)}" for t in tensors)
+
+
+def _places(fn: Callable) -> list[tuple[str, Any, str]]:
+    """Where `fn` can reach a tensor from, as (expression root name, object, how to read): its
+    globals by name, its closure cells, and the parameters/buffers of modules found there (and of
+    the module a bound method belongs to)."""
+    places: list[tuple[str, Any, str]] = []
+    modules: list[torch.nn.Module] = []
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        g = getattr(fn, "__globals__", {})
+        for name in code.co_names:
+            if name in g:
+                places.append(("globals", g, f".get({name!r})"))
+                if isinstance(g[name], torch.nn.Module):
+                    modules.append(g[name])
+        for cell in getattr(fn, "__closure__", None) or ():
+            places.append(("cell", cell, ".cell_contents"))
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, torch.nn.Module):
+                modules.append(value)
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        modules.append(owner)
+    for mod in modules:
+        for sub in mod.modules():
+            for k in sub._parameters:
+                places.append(("params", sub._parameters, f".get({k!r})"))
+            for k in sub._buffers:
+                places.append(("buffers", sub._buffers, f".get({k!r})"))
+    return places
+
+
+def make_source_guard(fn: Callable, lifted: Sequence[torch.Tensor]) -> tuple[Callable[[], bool], Callable[[], list]]:
+    """(check, read): `check()` is True while each lifted tensor that was found in a place `fn` reads
+    (`_places`) is still the object there; `read()` reads those places again. A tensor found nowhere
+    (reached through a helper function) is not checked: its rebinding goes unseen."""
+    scope: dict[str, Any] = {}
+    exprs: list[str] = []
+    places = _places(fn)
+    for i, t in enumerate(lifted):
+        scope[f"_L{i}"] = t
+        expr = f"_L{i}"
+        for j, (_, obj, read) in enumerate(places):
+            try:
+                value = eval(f"_P{read}", {"_P": obj})
+            except ValueError:  # an empty cell
+                continue
+            if value is t:
+                scope[f"_P{j}"] = obj
+                expr = f"_P{j}{read}"
+                break
+        exprs.append(expr)
+    body = " and ".join(f"{e} is _L{i}" for i, e in enumerate(exprs) if e != f"_L{i}") or "True"
+    src = f"def check():\n    return {body}\n\ndef read():\n    return [{', '.join(exprs)}]\n"
+    exec(compile(src, "<aotgrad lifted-tensor guard>", "exec"), scope)
+    return scope["check"], scope["read"]
+
+
+def still_liftable(tensors: Sequence[Any]) -> bool:
+    return all(_is_real_grad_tensor(t) for t in tensors)
