@@ -618,7 +618,7 @@ def generate(seed: int, index: int = 0) -> Program:
     if rng.random() < 0.3:
         config = (("keep_inference_input_mutations", True),)
     prog = dataclasses.replace(prog, body=tuple(gen.body), returns=returns, single=single, config=config)
-    return maybe_close_over(pseed, prog)
+    return maybe_close_over(pseed, prog, Stmt)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,16 +15,13 @@ from typing import Any
 PROBABILITY = 0.15
 
 
-def maybe_close_over(pseed: int, prog: Any) -> Any:
+def maybe_close_over(pseed: int, prog: Any, stmt: type) -> Any:
     """`prog` with a closed-over `W0` for a fraction of programs (own random stream: the rest of
     the program is what it was without it)."""
     rng = random.Random(pseed ^ 0xC105ED)
     if rng.random() >= PROBABILITY or not prog.returns:
         return prog
     shape = rng.choice(["()", "(1,)"])
-    stmt = type(prog.body[0]) if prog.body else None
-    if stmt is None:
-        return prog
     name = "w_closed"
     use = rng.choice(prog.returns)
     return dataclasses.replace(
