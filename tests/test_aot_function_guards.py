@@ -179,6 +179,19 @@ def test_function_argument_is_guarded_weakly():
     assert len(f.cache) == 1  # the entry keyed on the dead function was dropped
 
 
+def test_partial_and_numpy_scalar_arguments():
+    import functools
+
+    np = pytest.importorskip("numpy")
+    f = aot_function(lambda x, g: g(x), nop)
+    x = torch.randn(3)
+    torch.testing.assert_close(f(x, functools.partial(torch.mul, other=2)), x * 2)
+    torch.testing.assert_close(f(x, functools.partial(torch.mul, other=3)), x * 3)  # not the first's graph
+    h = aot_function(lambda x, n: x * float(n), nop)
+    torch.testing.assert_close(h(x, np.float32(2)), x * 2)
+    torch.testing.assert_close(h(x, np.float32(3)), x * 3)
+
+
 class Mode(enum.Enum):
     A = 1
     B = 2

@@ -5,10 +5,11 @@ keyed (`constant_key`) by what the program can read from it, without holding a s
 the caller's object:
 
 - plain values (int, float, bool, str, None, dtype, device, enum members...): by value;
-- functions, classes, builtins: by identity, through a weak reference where the object takes one
+- functions, classes, builtins and other callables: by identity, through a weak reference where the object takes one
   (a dead reference never equals a live object, so a recycled `id()` cannot match);
 - other objects: by type and a snapshot of their attributes (`vars()`), each of which must itself be
   keyable this way — an attribute that changes recompiles, never a stale result;
+- hashable values of other libraries (numpy scalars): by value;
 - anything else (an object holding tensors, lists, modules; an `nn.Module` argument) is refused
   with an `UnsupportedInputError` that says what to pass instead.
 
@@ -53,8 +54,8 @@ def constant_key(x: Any, where: str = "argument", depth: int = 0) -> Any:
         return (type(x), x)
     if isinstance(x, types.MethodType):  # a new bound-method object per attribute access
         return (types.MethodType, ("method", _identity(x.__func__), _identity(x.__self__)))
-    if isinstance(x, _IDENTITY_TYPES) or (callable(x) and not hasattr(x, "__dict__")):
-        return (type(x), _identity(x))
+    if isinstance(x, _IDENTITY_TYPES) or (callable(x) and not isinstance(x, torch.nn.Module)):
+        return (type(x), _identity(x))  # what a callable computes cannot be read off its attributes
     if isinstance(x, torch.nn.Module):
         raise UnsupportedInputError(
             f"aotgrad: {where} is an nn.Module ({type(x).__name__}); its parameters, buffers and training flag "
@@ -68,6 +69,8 @@ def constant_key(x: Any, where: str = "argument", depth: int = 0) -> Any:
         return _Snapshot(
             (type(x), tuple((k, constant_key(v, f"{where}.{k}", depth + 1)) for k, v in sorted(attrs.items())))
         )
+    if attrs is None and type(x).__hash__ is not None and type(x).__eq__ is not object.__eq__:
+        return (type(x), x)  # a value type of another library (a numpy scalar...)
     raise UnsupportedInputError(
         f"aotgrad: {where} is a {type(x).__name__}, whose contents aotgrad cannot guard (the graph would "
         "keep what the first call read from it). Pass the tensors it holds as tensor arguments and its "
