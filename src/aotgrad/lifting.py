@@ -43,6 +43,13 @@ def _is_real_grad_tensor(x: Any) -> bool:
     )
 
 
+def _maybe_outside(a: Any) -> bool:
+    """Whether argument `a` may be or hold a tensor from outside the trace."""
+    if isinstance(a, (FunctionalTensor, FakeTensor)):
+        return False
+    return isinstance(a, (torch.Tensor, list, tuple, dict))
+
+
 class Substitute(torch.overrides.TorchFunctionMode):
     """Replace each lifted tensor object by its graph input; abort on a new real tensor requiring grad."""
 
@@ -52,6 +59,8 @@ class Substitute(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not kwargs and not any(_maybe_outside(a) for a in args):  # the common case, without pytree
+            return func(*args)
         found: list[torch.Tensor] = []
 
         def swap(x):
