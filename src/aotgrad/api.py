@@ -149,14 +149,15 @@ class CompiledFunction:
         return run(leaves)
 
     def _compile(self, leaves: list, spec, key: tuple, args: tuple, kwargs: dict) -> Callable:
-        if self.cache:
-            self._note_recompile(key, args, kwargs)
+        previous = next(reversed(self.cache), None)
         fn = lifting.with_lifted(self.fn, self.lifted)
         with observe.graph_logging(self.config.enable_log):
             try:
                 run = compile_signature(fn, leaves, spec, self.config)
             except DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
+        if previous is not None:
+            self._note_recompile(previous, key, args, kwargs)
         self.cache[key] = run
         guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
         if guard is not None:
@@ -185,9 +186,9 @@ class CompiledFunction:
             self.cache.clear()
             self.fast.clear()
 
-    def _note_recompile(self, key: tuple, args: tuple, kwargs: dict) -> None:
+    def _note_recompile(self, previous: tuple, key: tuple, args: tuple, kwargs: dict) -> None:
         names = guards.leaf_names(args, kwargs, len(self.lifted))
-        reason = guards.recompile_reason(next(reversed(self.cache)), key, names)
+        reason = guards.recompile_reason(previous, key, names)
         self.recompiles.append(reason)
         observe.log_recompile(self.fn, reason)
         limit = config_module.recompile_limit
