@@ -303,8 +303,8 @@ def report_sweep(results: list[ModelResult]) -> tuple[bool, str]:
                 continue
             bytes_seq.append(m.saved_bytes)
             within += bool(m.on_target)
-            if m.achieved is not None:
-                distance = max(distance or 0.0, abs(m.achieved - b))
+            if m.achieved is not None and r.sweep[budgets[0]].saved_bytes != r.sweep[budgets[-1]].saved_bytes:
+                distance = max(distance or 0.0, abs(m.achieved - b))  # none where budgets 0 and 1 agree
             if m.on_target is False:
                 off_target.append((r.model, b, m))
             span = r.sweep[budgets[0]].saved_bytes != r.sweep[budgets[-1]].saved_bytes
