@@ -28,7 +28,8 @@ from aotgrad import (
     mincut_partitioner,
     nop,
 )
-from aotgrad.partition_mincut import INFO_KEY, op_class
+from aotgrad.partition_mincut import INFO_KEY
+from aotgrad.partition_ops import op_class
 from aotgrad.testing import check_against_eager
 
 PARTITIONERS = {
@@ -468,7 +469,8 @@ def test_budget_near_one_recomputes_no_matmul():
 
 
 def test_budget_pick_is_monotone_for_any_menu():
-    from aotgrad.partition_mincut import _Candidate, _Menu
+    from aotgrad.partition_budget import _Menu
+    from aotgrad.partition_graph import _Candidate
 
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 from . import config as config_module
 from . import guards, lifting, observe
 from . import inputs as inputs_stage
-from .capture import NeedsSyntheticBase, capture
+from .capture import capture
+from .capture_state import NeedsSyntheticBase
 from .compile import compile_inference, compile_training
 from .errors import DataDependentError
 from .interpreter_stack import on_roomy_stack

@@ -38,6 +38,9 @@ in place.
 Errors: a graph aotgrad cannot compile raises `BackendCompileError` (an `AotgradError`) naming the
 op and the line of the Dynamo graph being traced; with `aotgrad.config.fallback_to_eager = True` it
 warns and runs that graph eagerly instead.
+
+Modules: this one holds the Dynamo-facing backend; Inductor's side is backend_inductor.py, symbolic
+sizes and per-shape compiles backend_shapes.py, the compile context and errors backend_context.py.
 """
 
 from __future__ import annotations
@@ -46,11 +49,8 @@ import contextlib
 import copy
 import functools
 import inspect
-import itertools
-import linecache
 import logging
 import operator
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,22 +60,38 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from . import config
-from .api import (
-    AOTConfig,
-    CompiledFunction,
-    _functional_call,
-    _named_state,
-    _plan_depends_on_aliasing,
-    compile_signature,
+from .api import AOTConfig, _functional_call, _named_state, _plan_depends_on_aliasing, compile_signature
+from .backend_context import (
+    BackendCompileError,
+    _compile_context,
+    _context_fake_mode,
+    _describe_failure,
+    _must_propagate,
 )
-from .compile import placeholder_values
+from .backend_inductor import (
+    _fake_bw_inputs,
+    _inductor_decompositions,
+    _inductor_pre_grad_passes,
+    _specialise_dynamic_floats,
+    inductor_compilers,
+    inductor_config_patches,
+)
+from .backend_shapes import (
+    _anchor_positions,
+    _Anchored,
+    _concrete,
+    _fake_anchors,
+    _ignoring_anchors,
+    _is_symbolic,
+    _PerShape,
+    _plan_needs_concrete_sizes,
+    _sizes_determined,
+)
 from .compilers import nop, wants_functional_graphs
-from .errors import AotgradError
 from .input_checks import InputsChecked
 from .inputs import alias_key, is_wrapper
 from .interpreter_stack import on_roomy_stack
 from .partition import default_partition
-from .plan import symbols_in
 
 __all__ = [
     "BackendCompileError",
@@ -86,12 +102,7 @@ __all__ = [
     "inductor_config_patches",
 ]
 
-_graph_ids = itertools.count()
 log = logging.getLogger(__name__)
-
-
-class BackendCompileError(AotgradError):
-    """aotgrad could not compile a graph Dynamo handed it (see the message for the op and line)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,98 +370,6 @@ class AotgradBackend:
             return compile_signature(fn, leaves, spec, self._aot_config(symbolic))
 
 
-class _PerShape:
-    """aotgrad's own per-signature cache (exact shapes, generated guards) for graphs the backend
-    cannot compile shape-generically. A signature that fails to compile raises a
-    `BackendCompileError`, or with `config.fallback_to_eager` warns once and runs eagerly."""
-
-    def __init__(self, fn: Callable, aot_config: AOTConfig):
-        self.inner = CompiledFunction(fn, aot_config)
-
-    def prepare(self, leaves: list) -> Callable:
-        from . import inputs as inputs_stage
-
-        inner = self.inner
-        spec = pytree.tree_flatten((tuple(leaves), {}))[1]
-        key = inputs_stage.signature(leaves, spec)
-        run = inner.cache.get(key)
-        if run is not None:
-            return run
-        try:
-            run = compile_signature(inner.fn, leaves, spec, inner.config)
-            guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
-        except Exception as e:
-            if _must_propagate(e):
-                raise
-            err = _describe_failure(e, inner.fn if isinstance(inner.fn, torch.fx.GraphModule) else None)
-            if not config.fallback_to_eager:
-                raise err from e
-            warnings.warn(f"{err} Running this graph eagerly for these shapes "
-                          "(aotgrad.config.fallback_to_eager).", stacklevel=2)
-            fn = inner.fn
-
-            def run(leaves):
-                return fn(*leaves)
-
-            guard = None
-        inner.cache[key] = run
-        if guard is not None:
-            inner.fast.insert(0, (guard, run))
-        return run
-
-    def __call__(self, leaves) -> Any:
-        for guard, run in self.inner.fast:
-            if guard(leaves):
-                return run(leaves)
-        return self.prepare(list(leaves))(leaves)
-
-
-class _Anchored:
-    """Append a zero-stride anchor tensor for each free SymInt argument (see `_anchor_positions`)."""
-
-    _ANCHOR = torch.empty(())
-
-    def __init__(self, run: Callable, positions: list[int]):
-        self.run, self.positions = run, positions
-
-    def __call__(self, leaves) -> Any:
-        anchor = self._ANCHOR
-        return self.run([*leaves, *(anchor.expand(leaves[i]) for i in self.positions)])
-
-
-def _anchor_positions(leaves: list) -> list[int]:
-    """Positions of SymInt arguments that are a bare symbol no tensor argument's size carries."""
-    import sympy
-
-    known: set = set()
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            for v in (*x.shape, *x.stride(), x.storage_offset()):
-                known |= _free_symbols(v)
-    out = []
-    for i, x in enumerate(leaves):
-        if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol) and x.node.expr not in known:
-            known.add(x.node.expr)
-            out.append(i)
-    return out
-
-
-def _fake_anchors(leaves: list, positions: list[int]) -> list:
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode([x for x in leaves if isinstance(x, torch.Tensor)]) or _context_fake_mode()
-    with mode if mode is not None else contextlib.nullcontext():
-        base = torch.empty(())
-        return [base.expand(leaves[i]) for i in positions]
-
-
-def _ignoring_anchors(fn: Callable, n: int) -> Callable:
-    def call(*args):
-        return fn(*args[:n])
-
-    return call
-
-
 def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """Compile a graph that takes lists of tensors (compiled autograd hands its graph the saved
     tensors as one list) as a graph over the flattened inputs, and flatten them per call. A list
@@ -501,57 +420,6 @@ def _is_getitem_of(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     return node.target is operator.getitem and node.args[0] is source and isinstance(node.args[1], int)
 
 
-def _concrete(example_inputs: list) -> list:
-    """Real example values: SymInt examples replaced by their hints."""
-    out = []
-    for x in example_inputs:
-        if isinstance(x, torch.SymInt):
-            hint = x.node.hint
-            x = int(hint) if hint is not None else x
-        out.append(x)
-    return out
-
-
-def inductor_compilers(patches: dict | None = None, forward_patches: dict | None = None) -> _InductorCompilers:
-    """Forward / backward / inference compilers (and a partition wrapper) that hand aotgrad's graphs
-    to Inductor's `compile_fx_inner`, under the Inductor config `patches`; one set per Dynamo graph.
-    `forward_patches` add to them for the forward and inference graphs only (the backward's inputs
-    are aotgrad's own, so e.g. it keeps its input asserts where the forward's are left out)."""
-    return _InductorCompilers(patches or {}, forward_patches or {})
-
-
-def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
-    """Inductor config for `torch.compile(mode=..., options=...)`, checked as backend="inductor"
-    checks it: a known mode, known option names, values of the option's type."""
-    from typing import get_origin
-
-    from torch._inductor import config as inductor_config
-    from torch._inductor import list_mode_options
-
-    patches: dict = {}
-    if mode is not None and mode != "default":
-        try:
-            patches.update(list_mode_options(mode))
-        except RuntimeError as e:
-            raise BackendCompileError(f"aotgrad backend: {e}") from None
-    known = inductor_config.get_config_copy()
-    for key, value in (options or {}).items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise BackendCompileError(
-                f"aotgrad backend: torch.compile option {key!r} is not an Inductor config option "
-                "(see torch._inductor.list_options())."
-            )
-        expected = inductor_config.get_type(name)
-        if get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
-            raise BackendCompileError(
-                f"aotgrad backend: torch.compile option {key!r} takes a {expected.__name__}, got "
-                f"{type(value).__name__}."
-            )
-        patches[name] = value
-    return patches
-
-
 def _make_default_backends() -> tuple[AotgradBackend, AotgradBackend]:
     default = backend()
     eager = backend(fw_compiler=nop, bw_compiler=nop, inference_compiler=nop)
@@ -563,249 +431,8 @@ aotgrad_backend, aotgrad_eager = _make_default_backends()
 
 
 # ----------------------------------------------------------------------------------------------
-# Inductor
-# ----------------------------------------------------------------------------------------------
-
-
-def _inductor_decompositions() -> dict:
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
-
-
-def _inductor_pre_grad_passes(gm: torch.fx.GraphModule, fakes: list) -> torch.fx.GraphModule:
-    from torch._inductor.compile_fx import run_pre_grad_passes
-
-    with _compile_context(fakes):
-        return run_pre_grad_passes(gm, fakes)
-
-
-_FWD_OF_BWD = "aotgrad_forward_module"
-_NUM_FWD = "aotgrad_num_fwd_outputs"
-_OUT_STRIDES = "aotgrad_output_strides"
-
-
-class _InductorCompilers:
-    """Compile aotgrad's graphs with `compile_fx_inner`: fake example inputs from the graph's own
-    placeholders, the TracingContext/fake mode Inductor reads, the boxed convention (Inductor's
-    compiled graphs take one list), and forward output strides handed to the backward."""
-
-    def __init__(self, patches: dict, forward_patches: dict):
-        from torch._guards import TracingContext
-
-        self.patches = patches  # applied here too: the backward may compile after the backend returned
-        self.forward_patches = {**patches, **forward_patches}
-        self.graph_id = next(_graph_ids)
-        self.context = TracingContext.try_get()  # Dynamo's; re-entered for the lazy backward
-
-    def partition(self, partition_fn: Callable) -> Callable:
-        def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
-            _tensorify_scalars(joint_module)
-            _views_alias_their_base(joint_module)
-            if config.inductor_graph_passes:
-                from torch._inductor.compile_fx import _recursive_joint_graph_passes
-
-                with self._context(placeholder_values(joint_module)):
-                    joint_module = _recursive_joint_graph_passes(joint_module)
-            fw, bw = partition_fn(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-            fw.meta[_NUM_FWD] = num_fwd_outputs
-            bw.meta[_FWD_OF_BWD] = fw
-            return fw, bw
-
-        partition.__name__ = f"inductor_joint_passes({getattr(partition_fn, '__name__', 'partition')})"
-        return partition
-
-    def forward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        n = gm.meta.get(_NUM_FWD)
-        return self._compile(gm, visible=n, is_inference=False, is_backward=False)
-
-    def inference(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        example = placeholder_values(gm)
-        _tensorify_scalars(gm)
-        _views_alias_their_base(gm)
-        if config.inductor_graph_passes:
-            from torch._inductor.compile_fx import _recursive_joint_graph_passes
-
-            with self._context(example):
-                gm = _recursive_joint_graph_passes(gm)
-        return self._compile(gm, visible=None, is_inference=True, is_backward=False)
-
-    def backward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        fw = gm.meta.get(_FWD_OF_BWD)
-        if fw is not None:
-            _restride_saved(gm, fw)
-        return self._compile(gm, visible=None, is_inference=False, is_backward=True)
-
-    @contextlib.contextmanager
-    def _context(self, example: list, patches: dict | None = None):
-        from torch._guards import TracingContext, tracing
-        from torch._inductor import config as inductor_config
-        from torch._inductor.virtualized import V
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
-
-        # The graph's own fake mode (detect_fake_mode would prefer the active TracingContext's,
-        # which is Dynamo's even when aotgrad traced real inputs in a fresh mode).
-        fake_mode = _mode_of(example) or FakeTensorMode(allow_non_fake_inputs=True)
-        ctx = TracingContext.try_get() or self.context
-        if ctx is None or ctx.fake_mode is not fake_mode:
-            ctx = TracingContext(fake_mode)
-        patches = self.patches if patches is None else patches
-        patched = inductor_config.patch(patches) if patches else contextlib.nullcontext()
-        with patched, V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
-            yield ctx
-
-    def _compile(self, gm, *, visible, is_inference, is_backward) -> Callable:
-        from torch._guards import TracingContext
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.utils import BoxedBool
-
-        example = placeholder_values(gm)
-        out = gm.graph.output_node()
-        outs = list(out.args[0])
-        n = len(outs) if visible is None else visible
-        # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
-        out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
-        with self._context(example, self.patches if is_backward else self.forward_patches):
-            with TracingContext.report_output_strides() as strides:
-                compiled = compile_fx_inner(
-                    gm,
-                    example,
-                    cudagraphs=BoxedBool(False),
-                    graph_id=self.graph_id,
-                    is_inference=is_inference,
-                    is_backward=is_backward,
-                )
-            if not is_inference and not is_backward and strides is not None:
-                # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
-                gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
-        return compiled
-
-
-def _views_alias_their_base(gm: torch.fx.GraphModule) -> None:
-    """Give each view node a value that is a view of its input's value.
-
-    The trace computes views as copies (functionalization without reapplied views), so a view
-    node's value had a storage of its own. Inductor reads aliasing off node values: its no-op
-    removal then dropped `clone(permute(x))`'s clone, returning a view of input x as a fresh output,
-    and its re-inplacing would misjudge which buffers a write can reuse."""
-    from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
-
-    from .analysis import is_view_op
-
-    fake_mode = _mode_of(placeholder_values(gm))
-    if fake_mode is None:
-        return
-    with fake_mode, enable_python_dispatcher():
-        for node in gm.graph.nodes:
-            target = node.target
-            if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not is_view_op(target):
-                continue
-            if not node.args or not isinstance(node.args[0], torch.fx.Node):
-                continue
-            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            try:
-                value = target(*args, **kwargs)
-            except Exception:  # keep the traced value
-                continue
-            node.meta["val"] = value
-            if isinstance(value, (tuple, list)):
-                for user in node.users:
-                    if user.target is operator.getitem and isinstance(user.args[1], int):
-                        user.meta["val"] = value[user.args[1]]
-
-
-def _tensorify_scalars(gm: torch.fx.GraphModule) -> None:
-    """Turn arithmetic on floats that Dynamo made dynamic back into tensor arithmetic.
-
-    Dynamo passes such a float (a module's `eps`, `norm_type`...) as a 0-d tensor and calls `.item()`
-    on it; Inductor cannot lower an `.item()` whose answer the shape environment already knows.
-    torch.fx's pass rewrites those uses into tensor ops, or asks Dynamo to restart with the float
-    specialised (an exception that reaches Dynamo unchanged)."""
-    from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
-
-    fake_mode = _mode_of(placeholder_values(gm))
-    if fake_mode is None or fake_mode.shape_env is None:
-        return
-    if any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes):
-        tensorify_python_scalars(gm, fake_mode.shape_env, fake_mode)
-
-
-def _specialise_dynamic_floats(gm: torch.fx.GraphModule) -> None:
-    """A graph compiled per concrete shape is traced on the real inputs, where `.item()` of a float
-    Dynamo made dynamic (passed as a 0-d tensor) has no symbol to answer with: ask Dynamo to restart
-    with those floats specialised (baked in and guarded), as tensorify_python_scalars does."""
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-    from torch._dynamo.symbolic_convert import TensorifyState
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    names = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("example_value")
-        memo = value.item_memo if isinstance(value, FakeTensor) else None
-        symbol = getattr(memo.node, "_expr", None) if isinstance(memo, torch.SymFloat) else None
-        if symbol is not None and hasattr(symbol, "name"):  # unreplaced, as Dynamo looks it up
-            names.append(symbol.name)
-    if names:
-        for name in names:
-            TensorifyState.specialize(name)
-        raise TensorifyScalarRestartAnalysis
-
-
-def _restride_saved(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
-    """Give the backward's saved-value placeholders the strides Inductor chose for them.
-
-    A symbolic stride is compared by its size hint, never with `==` on the symbol: that would add a
-    guard pinning the size (a recompile for every new length). Where the hint differs, the
-    stride expression Inductor recorded becomes the new symbolic stride."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols, optimization_hint
-
-    strides = fw.meta.get(_OUT_STRIDES)
-    n_fwd = fw.meta.get(_NUM_FWD)
-    if not strides or n_fwd is None:
-        return
-    placeholders = [p for p in bw.graph.nodes if p.op == "placeholder"]
-    for p, (stride, expressions) in zip(placeholders, strides[n_fwd:]):
-        val = p.meta.get("val")
-        if stride is None or not isinstance(val, torch.Tensor):
-            continue
-        fake_mode = getattr(val, "fake_mode", None)
-        if free_symbols(val):
-            if [optimization_hint(s, fallback=-1) for s in val.stride()] == [int(s) for s in stride]:
-                continue
-            shape_env = getattr(fake_mode, "shape_env", None)
-            if shape_env is None or not all(isinstance(e, str) for e in expressions):
-                continue
-            stride = tuple(shape_env.deserialize_symexpr(e) for e in expressions)
-        elif tuple(val.stride()) == tuple(stride):
-            continue
-        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx:
-            p.meta["val"] = torch.empty_strided(val.shape, tuple(stride), dtype=val.dtype, device=val.device)
-
-
-# ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _mode_of(values: list):
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    for v in values:
-        if isinstance(v, FakeTensor):
-            return v.fake_mode
-    return None
-
-
-def _fake_bw_inputs(compiler: Callable) -> Callable:
-    """Backward compilers get fake example inputs (the placeholders' values), as with upstream."""
-
-    def bw_compiler(gm, _example_inputs):
-        vals = placeholder_values(gm)
-        return compiler(gm, vals if all(v is not None for v in vals) else list(_example_inputs))
-
-    return bw_compiler
 
 
 def _no_dynamo(fn: Callable) -> Callable:
@@ -878,67 +505,6 @@ def _fake_state(state: list, fakes: list) -> list:
     return [mode.from_tensor(t, static_shapes=True) for t in state]
 
 
-def _context_fake_mode():
-    from torch._guards import TracingContext
-
-    ctx = TracingContext.try_get()
-    return ctx.fake_mode if ctx is not None else None
-
-
-@contextlib.contextmanager
-def _compile_context(leaves: list):
-    """Dynamo's tracing context (or a new one for our fake mode) and the python dispatcher, which
-    symbolic-shape decompositions need."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
-
-    ctx = TracingContext.try_get()
-    stack = contextlib.ExitStack()
-    with stack:
-        if ctx is None:
-            mode = detect_fake_mode([x for x in leaves if isinstance(x, torch.Tensor)])
-            if mode is not None:
-                stack.enter_context(tracing(TracingContext(mode)))
-        stack.enter_context(enable_python_dispatcher())
-        yield
-
-
-def _is_symbolic(x: Any) -> bool:
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    if isinstance(x, torch.Tensor):
-        return any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride(), x.storage_offset()))
-    return False
-
-
-def _free_symbols(x) -> set:
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return set(x.node.expr.free_symbols)
-    return set()
-
-
-def _sizes_determined(leaves: list) -> bool:
-    """Every symbol of a SymInt input appears in some tensor input's sizes/strides/offset (so the
-    compiled graphs can read it off the tensors; Dynamo passes such SymInts alongside)."""
-    known: set = set()
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            for s in (*x.shape, *x.stride(), x.storage_offset()):
-                known |= _free_symbols(s)
-    need: set = set()
-    for x in leaves:
-        if not isinstance(x, torch.Tensor):
-            need |= _free_symbols(x)
-    return need <= known
-
-
-def _plan_needs_concrete_sizes(plan) -> bool:
-    """Would the generated run time bake in a symbolic value (a view argument, a restride) that it
-    cannot read off the inputs per call (`Plan.symbol_sources`)?"""
-    bound = {s.name for s in plan.symbol_sources}
-    return any(str(s) not in bound for s in symbols_in(plan))
-
-
 def _takes(fn: Callable, name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters
@@ -960,73 +526,3 @@ def _default_partitioner() -> Callable:
     return default_partition
 
 
-def _must_propagate(e: BaseException) -> bool:
-    """Dynamo control flow (restart analysis, skip frame) must reach Dynamo unchanged."""
-    try:
-        from torch._dynamo import exc as dexc
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(e, (dexc.RestartAnalysis, dexc.SkipFrame))
-
-
-def _describe_failure(e: BaseException, gm: torch.fx.GraphModule | None) -> BackendCompileError:
-    """A `BackendCompileError` naming the failing op, the input involved and the Dynamo graph line."""
-    op = _failing_op(e)
-    line = _graph_line(e, gm) if gm is not None else None
-    first = (str(e).strip().splitlines() or [""])[0][:400].rstrip(". ")
-    parts = [f"aotgrad could not compile a graph Dynamo handed it: {type(e).__name__}: {first}"]
-    if op is not None and op not in first:
-        parts.append(f"op: {op}")
-    named = _input_names(first, gm) if gm is not None else None
-    if named:
-        parts.append(named)
-    if line is not None:
-        parts.append(f"while tracing: `{line}`")
-    if not config.fallback_to_eager:
-        parts.append("set aotgrad.config.fallback_to_eager = True to run such graphs eagerly")
-    return BackendCompileError(". ".join(parts) + ".")
-
-
-def _input_names(message: str, gm: torch.fx.GraphModule) -> str | None:
-    """'input 3' in an aotgrad message, as the Dynamo graph's placeholder (and its source) name."""
-    import re
-
-    m = re.search(r"\binputs? \[?(\d+)", message)
-    if not m:
-        return None
-    names, _ = _named_state(gm)
-    i = int(m.group(1)) - len(names)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not 0 <= i < len(placeholders):
-        return None
-    node = placeholders[i]
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    where = f" ({source.name})" if source is not None and hasattr(source, "name") else ""
-    return f"input {m.group(1)} is the graph input `{node.name}`{where}"
-
-
-def _failing_op(e: BaseException) -> str | None:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        func = getattr(e, "func", None) or getattr(e, "target", None)
-        if func is not None:
-            return str(func)
-        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
-    return None
-
-
-def _graph_line(e: BaseException, gm: torch.fx.GraphModule) -> str | None:
-    code = getattr(gm.forward, "__code__", None)
-    filename = code.co_filename if code is not None else None
-    seen = set()
-    found = None
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        for frame in traceback.extract_tb(e.__traceback__):
-            if filename is not None and frame.filename == filename:
-                found = (linecache.getline(frame.filename, frame.lineno) or frame.line or "").strip()
-        e = e.__cause__ or e.__context__
-    if found:
-        return found.split(";")[0].strip()
-    return None

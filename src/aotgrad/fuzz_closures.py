@@ -1,4 +1,4 @@
-"""Closed-over tensors for the fuzzer's programs (fuzz.generate calls `maybe_close_over`).
+"""Closed-over tensors for the fuzzer's programs (fuzz_programs.generate calls `maybe_close_over`).
 
 Some programs also read a global tensor `W0` that requires grad and that they are not passed
 (aot_function lifts it: lifting.py). `make_inputs` rebinds the global to a fresh tensor on every

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch.fx import Graph, GraphModule, Node
 
-from .capture import BACKWARD_MUTATION
+from .capture_state import BACKWARD_MUTATION
 
 
 def _flat_outputs(graph: Graph) -> list[Node | None]:

@@ -43,16 +43,8 @@ import torch
 import torch.fx
 from torch.fx import GraphModule, Node
 
-from .partition_mincut import (
-    _Candidate,
-    _candidate,
-    _Joint,
-    _packet_name,
-    _recomputed,
-    _val,
-    estimate_flops,
-    op_class,
-)
+from .partition_graph import _Candidate, _candidate, _Joint, _recomputed
+from .partition_ops import _packet_name, _val, estimate_flops, op_class
 
 __all__ = ["row_split_positions", "split_rows", "land_by_splitting"]
 

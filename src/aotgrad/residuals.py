@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .partition_mincut import op_class, tensor_nbytes
+from .partition_ops import op_class, tensor_nbytes
 
 MODULE_KEY = "aotgrad_module"
 
