@@ -38,6 +38,7 @@ from .errors import (
     UnsupportedOutputError,
 )
 from .export import BackwardSignature, GraphSignature, aot_export_joint_simple, aot_export_module
+from .observe import compile_times
 from .partition import default_partition
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "UnsupportedMutationError",
     "UnsupportedOutputError",
     "aot_export_joint_simple",
+    "compile_times",
     "aot_export_module",
     "aot_function",
     "aot_module",

@@ -237,6 +237,9 @@ class AotgradBackend:
 
     def _partition_fn(self) -> Callable:
         part = self.partition_fn or _default_partitioner()
+        torch_budget = config.torch_activation_memory_budget()  # set by the user, as upstream honours it
+        if self.memory_budget is None and torch_budget is not None and _takes(part, "memory_budget"):
+            return functools.partial(part, memory_budget=torch_budget)
         if self.memory_budget is not None:
             if not _takes(part, "memory_budget"):
                 raise TypeError(
