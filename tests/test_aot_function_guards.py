@@ -422,6 +422,7 @@ def _readme_blocks() -> list[str]:
 
 
 @pytest.mark.parametrize("i", range(len(_readme_blocks())))
-def test_readme_python_blocks_run(i):
+def test_readme_python_blocks_run(i, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # blocks may write files (report.save_html)
     torch._dynamo.reset()
     exec(compile(_readme_blocks()[i], f"README.md block {i}", "exec"), {"__name__": "readme"})
