@@ -32,7 +32,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from . import analysis
+from . import ambient, analysis
 from .capture_backward import _trace_backward
 from .capture_inputs import (
     _analyse_inputs,
@@ -269,6 +269,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         epilogue=tuple(fw.epilogue),
         is_training=training,
         grad_free=grad_free,
+        autocast=ambient.autocast_key(),
     )
     state["num_tangents"] = num_tangents
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}

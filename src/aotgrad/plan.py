@@ -353,6 +353,9 @@ class Plan:
     # Primals that require grad but get no gradient from the graph: handed to the autograd.Function
     # detached, so a backward does not walk their history, which eager's would not reach either.
     grad_free: tuple[int, ...] = ()
+    # The caller's autocast state the program was traced under (ambient.autocast_key): its casts
+    # are in the graph, so the graph runs with autocast off.
+    autocast: tuple = ()
 
     @property
     def num_fw_outputs(self) -> int:
