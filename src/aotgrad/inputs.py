@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
 
 from .ambient import any_autocast, autocast_key
@@ -79,6 +80,13 @@ def alias_key(leaves: Sequence[Any]) -> tuple:
 def is_wrapper(t: torch.Tensor) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(
         t, torch._subclasses.FakeTensor
+    )
+
+
+def being_traced(leaves: Sequence[Any]) -> bool:
+    """Whether these are a trace's stand-ins (functional or fake tensors), not a caller's tensors."""
+    return any(
+        isinstance(x, (FunctionalTensor, torch._subclasses.FakeTensor)) for x in leaves if isinstance(x, torch.Tensor)
     )
 
 

@@ -383,7 +383,13 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
     if plan.is_training and results:
         apply = src.bind("apply", make_autograd_function(plan, compiled).apply)
         args = [f"{p}.detach()" if k in plan.grad_free else p for k, p in enumerate(primals)]
-        src.emit(f"{_tuple_src(results)} = {apply}({', '.join(args)})")
+        call = f"{_tuple_src(results)} = {apply}({', '.join(args)})"
+        if plan.grad_mode_at_call:
+            src.emit(call)
+        else:  # the program's enable_grad() region: its outputs get a grad_fn, as in eager
+            src.globals["_enable_grad"] = torch.enable_grad
+            src.emit("with _enable_grad():")
+            src.emit(call, indent=2)
     else:
         # Version bumps without a write of ours (the graph writes, or eager bumped without writing)
         # go first: the counters are still in cache from Dynamo's guards, after a kernel that
@@ -453,10 +459,17 @@ def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int], *
 
 
 def _emit_graph_call(src: _Source, plan: Plan, line: str) -> None:
-    """A call of a compiled graph traced under autocast: its casts are in it, so autocast is off."""
+    """A call of a compiled graph. Traced under autocast, its casts are in it: autocast is off.
+    An inference graph whose program marked an input with requires_grad_() (the prologue did that
+    already) runs under no_grad: no output it computes needs a grad_fn (else it would be training)."""
+    contexts = []
     if plan.autocast:
         src.globals["_no_autocast"] = ambient.no_autocast
-        src.emit("with _no_autocast():")
+        contexts.append("_no_autocast()")
+    if plan.prologue and not plan.is_training:
+        contexts.append("_no_grad()")
+    if contexts:
+        src.emit(f"with {', '.join(contexts)}:")
         src.emit(line, indent=2)
     else:
         src.emit(line)
