@@ -26,7 +26,7 @@ from . import config as config_module
 from . import guards, lifting, observe
 from . import inputs as inputs_stage
 from .capture import capture
-from .capture_state import NeedsSyntheticBase
+from .capture_state import NeedsSyntheticBase, NeedsTraining
 from .compile import compile_inference, compile_training
 from .errors import DataDependentError
 from .interpreter_stack import on_roomy_stack
@@ -64,14 +64,12 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
     training = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
     )
-    groups = inputs_stage.storage_groups(leaves)
-    layout = inputs_stage.layout_for(leaves, spec)
     with observe.stage("capture", getattr(fn, "__qualname__", "")):
         try:
-            captured = _capture(fn, layout, leaves, training, config, groups)
-        except NeedsSyntheticBase as merge:
-            layout = inputs_stage.layout_for(leaves, spec, merge_groups=merge.groups)
-            captured = _capture(fn, layout, leaves, training, config, ())
+            layout, captured = _capture_merging_aliases(fn, leaves, spec, training, config)
+        except NeedsTraining:  # called under no_grad, but the program turned grad mode on
+            training = True
+            layout, captured = _capture_merging_aliases(fn, leaves, spec, training, config)
     observe.log_graph("joint" if training else "inference", captured.graph)
     primals = inputs_stage.primal_values(layout, leaves)
     if training:
@@ -92,6 +90,17 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
     run.plan = plan
     run.compiled = compiled
     return run
+
+
+def _capture_merging_aliases(fn, leaves, spec, training, config):
+    """Capture; when inputs sharing a storage turn out to be mutated, again with them as one base."""
+    groups = inputs_stage.storage_groups(leaves)
+    layout = inputs_stage.layout_for(leaves, spec)
+    try:
+        return layout, _capture(fn, layout, leaves, training, config, groups)
+    except NeedsSyntheticBase as merge:
+        layout = inputs_stage.layout_for(leaves, spec, merge_groups=merge.groups)
+        return layout, _capture(fn, layout, leaves, training, config, ())
 
 
 def _capture(fn, layout, leaves, training, config, groups):
@@ -137,6 +146,9 @@ class CompiledFunction:
 
     def _call_slow(self, args: tuple, kwargs: dict):
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        if inputs_stage.being_traced(leaves):
+            # Called inside another trace (an outer aot_function): the outer graph records our ops.
+            return self.fn(*args, **kwargs)
         key = inputs_stage.signature(leaves, spec)
         run = self.cache.get(key)
         if run is None:

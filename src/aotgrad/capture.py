@@ -32,7 +32,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from . import analysis
+from . import ambient, analysis
 from .capture_backward import _trace_backward
 from .capture_inputs import (
     _analyse_inputs,
@@ -47,9 +47,17 @@ from .capture_inputs import (
     _version,
 )
 from .capture_outputs import _analyse_outputs
-from .capture_state import BACKWARD_MUTATION, INPUT_CLONE, NeedsSyntheticBase, _Forward, _node_of
+from .capture_state import (
+    BACKWARD_MUTATION,
+    INPUT_CLONE,
+    NeedsSyntheticBase,
+    NeedsTraining,
+    _Forward,
+    _node_of,
+)
 from .cse import eliminate_common_subexpressions
-from .errors import AotgradError, UnsupportedAliasingError, UnsupportedMutationError
+from .errors import AotgradError, UnsupportedAliasingError, UnsupportedMutationError, UnsupportedOutputError
+from .inputs import storage_groups as shared_storage_groups
 from .plan import Captured, InputLayout, Plan
 from .trace_modes import Functionalize, TraceHooks, overlaps_itself
 from .tracer import LeanTracer
@@ -164,7 +172,7 @@ def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mod
         with fake_mode, recorder:
             outputs = traced(list(fake_primals))
         return recorder.finish(outputs)
-    except (AotgradError, NeedsSyntheticBase):
+    except (AotgradError, NeedsSyntheticBase, NeedsTraining):
         raise
     except Exception:  # symbolic shapes, other higher-order ops...: make_fx knows them all
         pass
@@ -200,7 +208,9 @@ _FUNCTIONALIZATION_LIMITS = (
 
 def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, storage_groups):
     mode = state["functionalize"] = Functionalize()
-    with mode:
+    # With grad mode on even for a call made under no_grad whose program turns it on (NeedsTraining):
+    # the clones must carry the gradient path the program's enable_grad() region differentiates.
+    with mode, torch.enable_grad() if training else contextlib.nullcontext():
         initial_token = _seed_effect_token(mode)
         funs = [FunctionalTensor.to_functional(p) for p in primals]
         bases = [_clone_for_grad(f, p) if training and f.requires_grad else f for f, p in zip(funs, primals)]
@@ -227,6 +237,9 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     with mode, hooks:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
+    _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
+    if not training and any(isinstance(o, torch.Tensor) and o.requires_grad for o in flat_out):
+        raise NeedsTraining  # outputs of an enable_grad() region, or marked with requires_grad_()
 
     fw = _Forward(out_spec=out_spec)
     _check_storage_groups(storage_groups, user_leaves, {id(b): n for b, (_, n) in zip(bases, before)})
@@ -269,11 +282,62 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         epilogue=tuple(fw.epilogue),
         is_training=training,
         grad_free=grad_free,
+        autocast=ambient.autocast_key(),
+        grad_mode_at_call=torch.is_grad_enabled(),
     )
     state["num_tangents"] = num_tangents
     state["in_graph_mutated"] = {i for i, m in enumerate(fw.mutations) if m.kept_in_graph or m.in_backward}
     state["in_graph_mutated"] |= hooks.clone_coordinates  # as_strided offsets are relative to the clone
+    with mode:
+        inputs = [t for t in (*funs, *bases, *user_leaves) if isinstance(t, torch.Tensor)]
+        _refuse_outputs_of_new_leaves(flat_out, inputs, [g for g, _ in before])
     return list(fw.fw_values) + list(grads)
+
+
+def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves) -> None:
+    """requires_grad_() on an input that is a view or shares memory with another input: autograd
+    then ties the gradient state of the tensors sharing that memory together; refused."""
+    shared = {i for g in shared_storage_groups(leaves) for i in g}
+    for i, (x, u) in enumerate(zip(leaves, user_leaves)):
+        if isinstance(x, torch.Tensor) and not x.requires_grad and u.requires_grad and (x._is_view() or i in shared):
+            raise UnsupportedMutationError(
+                f"aotgrad: the program calls requires_grad_() on input {i} (or on a tensor sharing its "
+                "memory), which is a view or shares memory with another input. Call requires_grad_() on "
+                "it before the call."
+            )
+
+
+def _refuse_outputs_of_new_leaves(flat_out, inputs: list, input_grad_fns: list) -> None:
+    """An output that requires grad only through a tensor the program itself made an autograd leaf
+    (`t.requires_grad_()`) would come back detached: the compiled backward differentiates with
+    respect to the inputs alone. Refuse it."""
+    roots = {g for g in input_grad_fns if g is not None} | {t.grad_fn for t in inputs if t.grad_fn is not None}
+    known = {id(t) for t in inputs}
+    for pos, o in enumerate(flat_out):
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None and _only_new_leaves(o, roots, known):
+            raise UnsupportedOutputError(
+                f"aotgrad: output {pos} requires grad only through a tensor the program marked with "
+                "requires_grad_() (a new autograd leaf); the compiled backward differentiates with respect "
+                "to the inputs. Create that tensor outside and pass it in as an input that requires grad."
+            )
+
+
+def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int]) -> bool:
+    """Whether `o`'s autograd graph reaches a leaf the program made and no input."""
+    seen, todo, new_leaf = set(), [o.grad_fn], False
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if node in roots or id(leaf) in known:
+            return False
+        # A view taken under no_grad of a tensor that requires grad is an autograd leaf of the
+        # input's too: the run time keeps such outputs requiring grad.
+        new_leaf |= leaf is not None and not leaf._is_view()
+        todo.extend(n for n, _ in node.next_functions)
+    return new_leaf
 
 
 def _seed_effect_token(mode: FunctionalTensorMode):

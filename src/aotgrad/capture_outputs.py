@@ -127,10 +127,11 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
         return ("plain", o)
     if id(o) in leaf_of:
         return InputItself(leaf_of[id(o)])
-    if training and o.requires_grad and o.is_leaf and o._base is None:
+    if training and o.requires_grad and o.is_leaf and (o._base is None or not o._base.requires_grad):
         raise UnsupportedOutputError(
-            f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True; "
-            "aotgrad can only return tensors computed from the inputs. Pass it in as an input."
+            f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True (or a "
+            "view the program marked with requires_grad_()); aotgrad can only return tensors computed from "
+            "the inputs. Pass it in as an input."
         )
     k = base_storage.get(analysis.storage_id(o))
     if k is None:

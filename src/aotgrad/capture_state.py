@@ -28,6 +28,11 @@ class NeedsSyntheticBase(Exception):
         self.groups = groups
 
 
+class NeedsTraining(Exception):
+    """Raised inside an inference capture (the call was made under no_grad) when the program turned
+    grad mode on and computed an output from an input that requires grad: retrace for training."""
+
+
 @dataclass
 class _Forward:
     """What the traced forward produced, before tangents are added."""

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import observe
+from . import ambient, observe
 from .compilers import boxed, naming, takes_functional_graphs
 from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
@@ -49,6 +49,7 @@ class CompiledForward:
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _autocast_backwards: dict = field(default_factory=dict, repr=False)
 
     def backward(self, example_inputs: Sequence[Any]) -> Callable:
         """The compiled backward, compiling it on first use."""
@@ -64,6 +65,28 @@ class CompiledForward:
         with naming("backward", self.aot_id):
             return boxed(observe.call_compiler("backward", self.bw_compiler, self.bw_module, example_inputs,
                                                log=False))
+
+    def backward_under_autocast(self, args: list) -> list:
+        """Run the backward as eager's runs when `.backward()` is called under autocast: the
+        backward graph re-traced under that state (ambient.py), compiled once per state and shapes."""
+        key = (ambient.autocast_key(), tuple(_arg_key(a) for a in args))
+        compiled = self._autocast_backwards.get(key)
+        if compiled is None:
+            gm = ambient.retrace_under_autocast(self.bw_module, key[0], args)
+            if not takes_functional_graphs(self.bw_compiler):
+                reinplace(gm)
+            with naming("backward", self.aot_id):
+                compiled = boxed(on_roomy_stack(observe.call_compiler, "backward", self.bw_compiler, gm, list(args),
+                                                log=False))
+            self._autocast_backwards[key] = compiled
+        with ambient.no_autocast():
+            return compiled(args)
+
+
+def _arg_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype, x.device)
+    return (type(x), x)
 
 
 _aot_ids = itertools.count()

@@ -29,15 +29,26 @@ class Stmt:
 
 @dataclass(frozen=True)
 class NoGrad:
-    """``with torch.no_grad():`` around some statements."""
+    """``with torch.no_grad():`` around some statements, or another context (`REGIONS`): a grad-mode
+    or autocast region, whose state the compiled code must reproduce op by op."""
 
-    body: tuple[Stmt, ...]
+    body: tuple[Stmt | NoGrad, ...]
+    context: str = "torch.no_grad()"
 
     def render(self, indent: str) -> list[str]:
-        lines = [indent + "with torch.no_grad():"]
+        lines = [indent + f"with {self.context}:"]
         for s in self.body:
             lines += s.render(indent + "    ")
         return lines
+
+
+# Contexts of a block, weighted: grad mode off (most mutations-under-no_grad bugs live there), and the
+# autocast states a program switches between (the CPU's lower precision, and a float32 region).
+REGIONS = [
+    ("torch.no_grad()", 8),
+    ('torch.autocast("cpu", dtype=torch.bfloat16)', 3),
+    ('torch.autocast("cpu", enabled=False)', 1),
+]
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,7 @@ class Program:
         return self.render_make_inputs() + "\n\n" + self.render_f()
 
     def n_statements(self) -> int:
-        return sum(len(s.body) if isinstance(s, NoGrad) else 1 for s in self.body)
+        return sum(_count(s) for s in self.body)
 
     def reproducer(self, header: str = "", backend: str | None = None) -> str:
         kw = "".join(f", {k}={v!r}" for k, v in self.config)
@@ -91,6 +102,10 @@ class Program:
             "        check_against_eager(f, make_inputs, compiled=compiled)\n"
             '    print("matches eager")\n'
         )
+
+
+def _count(s: Stmt | NoGrad) -> int:
+    return sum(_count(b) for b in s.body) if isinstance(s, NoGrad) else 1
 
 
 def _tuple(names) -> str:
@@ -323,12 +338,7 @@ class _Gen:
     def _exec(self, s: Stmt | NoGrad) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if isinstance(s, NoGrad):
-                with torch.no_grad():
-                    for b in s.body:
-                        exec(b.code, self.ns)
-            else:
-                exec(s.code, self.ns)
+            exec("\n".join(s.render("")), self.ns)
         for name, v in self.ns.items():
             if isinstance(v, torch.Tensor) and name not in self.live:
                 self.live.append(name)
@@ -363,14 +373,33 @@ class _Gen:
         return self.ns[name]
 
     # --- statements ----------------------------------------------------------------------------
-    def stmt(self, allow_block: bool = True) -> Stmt | NoGrad:
-        kinds = [("view", 30), ("outofplace", 25), ("inplace", 25), ("meta", 6), ("detach", 4)]
+    def stmt(self, allow_block: bool = True, in_no_grad: bool = False) -> Stmt | NoGrad:
+        kinds = [("view", 30), ("outofplace", 25), ("inplace", 25), ("meta", 6), ("detach", 4),
+                 ("requires_grad", 0.7)]
         if allow_block:
-            kinds.append(("nograd", 8))
+            kinds.append(("block", 12))
+        if in_no_grad:
+            kinds.append(("enable_grad", 3))
         kind = _weighted(self.rng, kinds)
-        if kind == "nograd":
-            return NoGrad(tuple(self.stmt(False) for _ in range(self.rng.randint(1, 3))))
+        if kind in ("block", "enable_grad"):
+            context = _weighted(self.rng, REGIONS) if kind == "block" else "torch.enable_grad()"
+            nested = context == "torch.no_grad()"
+            body = tuple(self.stmt(False, in_no_grad=nested) for _ in range(self.rng.randint(1, 3)))
+            return NoGrad(body, context)
         return Stmt(getattr(self, "_" + kind)())
+
+    def _requires_grad(self) -> str:
+        """A value the program turns into an autograd leaf (eager allows it on leaves only)."""
+        def fresh_leaf(t: torch.Tensor) -> bool:
+            try:  # reading autograd metadata of a no_grad view whose base changed since raises
+                return t.is_floating_point() and t.is_leaf and not t.requires_grad
+            except RuntimeError:
+                return False
+
+        x = self.pick(fresh_leaf)
+        if x is None:
+            return self._outofplace()
+        return f"{x}.requires_grad_()"
 
     def _view(self) -> str:
         x = self.pick()

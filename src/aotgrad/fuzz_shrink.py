@@ -23,7 +23,7 @@ def _candidates(prog: Program):
             for j in range(len(s.body)):
                 inner = s.body[:j] + s.body[j + 1 :]
                 if inner:
-                    yield dataclasses.replace(prog, body=tuple(body[:i] + [NoGrad(inner)] + body[i + 1 :]))
+                    yield dataclasses.replace(prog, body=tuple(body[:i] + [dataclasses.replace(s, body=inner)] + body[i + 1 :]))
     for i in range(len(prog.returns)):
         if len(prog.returns) > 1:
             yield dataclasses.replace(prog, returns=prog.returns[:i] + prog.returns[i + 1 :])

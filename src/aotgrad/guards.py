@@ -135,8 +135,10 @@ def recompile_reason(old: tuple, new: tuple, names: Sequence[str]) -> str:
         return "the structure of the arguments (number, nesting, keyword names)"
     if old[1] != new[1]:
         return f"grad mode ({old[1]} -> {new[1]})"
+    if old[2] != new[2]:
+        return f"autocast ({_show(old[2]) if old[2] else 'off'} -> {_show(new[2]) if new[2] else 'off'})"
     reasons = []
-    for i, (a, b) in enumerate(zip(old[2:-1], new[2:-1])):
+    for i, (a, b) in enumerate(zip(old[3:-1], new[3:-1])):
         if a == b:
             continue
         name = names[i] if i < len(names) else f"leaf {i}"

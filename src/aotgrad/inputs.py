@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
 
 from . import guards
+from .ambient import any_autocast, autocast_key
 from .errors import UnsupportedAliasingError, UnsupportedInputError
 from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
 
@@ -82,9 +84,16 @@ def is_wrapper(t: torch.Tensor) -> bool:
     )
 
 
+def being_traced(leaves: Sequence[Any]) -> bool:
+    """Whether these are a trace's stand-ins (functional or fake tensors), not a caller's tensors."""
+    return any(
+        isinstance(x, (FunctionalTensor, torch._subclasses.FakeTensor)) for x in leaves if isinstance(x, torch.Tensor)
+    )
+
+
 def signature(leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
     """The cache key of a call (see module docstring)."""
-    parts = [spec, torch.is_grad_enabled()]
+    parts = [spec, torch.is_grad_enabled(), autocast_key()]
     for x in leaves:
         parts.append(tensor_key(x) if isinstance(x, torch.Tensor) else _constant_key(x))
     parts.append(alias_key(leaves))
@@ -217,6 +226,13 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
         return None
     scope: dict[str, Any] = {"_grad_enabled": torch.is_grad_enabled, "_alias_key": alias_key}
     conds = [f"len(args) == {n}", f"_grad_enabled() is {torch.is_grad_enabled()}"]
+    autocast = autocast_key()
+    scope["_any_autocast"] = any_autocast
+    if autocast:
+        scope["_autocast_key"], scope["_AC"] = autocast_key, autocast
+        conds.append("_autocast_key() == _AC")
+    else:
+        conds.append("not _any_autocast()")
     first: dict[int, int] = {}
     for i, x in enumerate(leaves):
         v = f"args[{i}]"

@@ -353,6 +353,12 @@ class Plan:
     # Primals that require grad but get no gradient from the graph: handed to the autograd.Function
     # detached, so a backward does not walk their history, which eager's would not reach either.
     grad_free: tuple[int, ...] = ()
+    # The caller's autocast state the program was traced under (ambient.autocast_key): its casts
+    # are in the graph, so the graph runs with autocast off.
+    autocast: tuple = ()
+    # False for a training plan of a call made under no_grad whose program turned grad mode on
+    # (`torch.enable_grad()`): the autograd.Function is applied with grad mode on, as those ops ran.
+    grad_mode_at_call: bool = True
 
     @property
     def num_fw_outputs(self) -> int:

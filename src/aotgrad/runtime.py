@@ -30,6 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
+from . import ambient
 from .compile import CompiledForward, placeholder_values
 from .errors import AotgradError
 from .inputs import storage_base, storage_id
@@ -131,9 +132,9 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         # aten's as_strided_scatter refuses a non-contiguous input that requires grad, even under
         # no_grad; the graph needs only its values (the Function records the autograd side).
         args = [f"primals[{k}].detach()" if k in scattered else f"primals[{k}]" for k in range(plan.layout.num_primals)]
-        fw.emit(f"outs = {fw_call}([{', '.join(args)}])")
+        _emit_graph_call(fw, plan, f"outs = {fw_call}([{', '.join(args)}])")
     else:
-        fw.emit(f"outs = {fw_call}(list(primals))")
+        _emit_graph_call(fw, plan, f"outs = {fw_call}(list(primals))")
     if compiled.written_in_place:
         # The graph wrote these inputs itself; a compiled kernel's write does not bump the version
         # counter as eager's copy_ does. Bump them here, before anything sharing a counter is saved.
@@ -179,13 +180,16 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     else:
         parts += [f"_contig(grads[{i}])" for i in diff]
     bw.emit(f"args = [{', '.join(parts)}]")
+    # Eager's backward is cast by the autocast state in force when it runs (ambient.py).
+    bw.globals["_any_autocast"] = ambient.any_autocast
+    run_bw = f"({cfw}.backward(args)(args) if not _any_autocast() else {cfw}.backward_under_autocast(args))"
     # The node lets go of its saved tensors (unless retain_graph keeps them for another backward),
     # so the boxed graph, which clears `args`, frees each activation after its last use: the
     # backward's peak memory is then what the graph needs, not that plus every saved activation.
     if n_t:
         bw.emit("ctx.maybe_clear_saved_tensors()")
     if unreached:
-        bw.emit(f"grads_in = list({cfw}.backward(args)(args))")
+        bw.emit(f"grads_in = list({run_bw})")
         for tangents, primals in unreached.items():
             cond = " and ".join(f"t{j} is None" for j in tangents) or "True"
             bw.emit(f"if {cond}:")
@@ -193,7 +197,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
                 bw.emit(f"grads_in[{k}] = None", indent=2)
         bw.emit("return tuple(grads_in)")
     else:
-        bw.emit(f"return tuple({cfw}.backward(args)(args))")
+        bw.emit(f"return tuple({run_bw})")
     backward = bw.build("backward", "def backward(ctx, *grads):")
 
     return type(
@@ -379,7 +383,13 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
     if plan.is_training and results:
         apply = src.bind("apply", make_autograd_function(plan, compiled).apply)
         args = [f"{p}.detach()" if k in plan.grad_free else p for k, p in enumerate(primals)]
-        src.emit(f"{_tuple_src(results)} = {apply}({', '.join(args)})")
+        call = f"{_tuple_src(results)} = {apply}({', '.join(args)})"
+        if plan.grad_mode_at_call:
+            src.emit(call)
+        else:  # the program's enable_grad() region: its outputs get a grad_fn, as in eager
+            src.globals["_enable_grad"] = torch.enable_grad
+            src.emit("with _enable_grad():")
+            src.emit(call, indent=2)
     else:
         # Version bumps without a write of ours (the graph writes, or eager bumped without writing)
         # go first: the counters are still in cache from Dynamo's guards, after a kernel that
@@ -390,7 +400,7 @@ def build_runner(plan: Plan, compiled: CompiledForward) -> Callable[[list], Any]
         call = src.bind("fw", compiled.forward)
         n = compiled.num_fw_outputs
         target = _tuple_src(results) if n else "_"
-        src.emit(f"{target} = {call}([{', '.join(primals)}])[:{n}]" if plan.is_training else f"{target} = {call}([{', '.join(primals)}])")
+        _emit_graph_call(src, plan, f"{target} = {call}([{', '.join(primals)}])[:{n}]" if plan.is_training else f"{target} = {call}([{', '.join(primals)}])")
         _emit_as_caller_sees(src, plan, compiled, results, primals, _tuple_src(primals), in_function=False)
     for i, o in enumerate(plan.fw_outputs):
         if isinstance(o.kind, IntermediateBase) and o.kind.leaf_requires_grad:
@@ -446,6 +456,23 @@ def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int], *
         elif isinstance(a, Detach):
             src.emit(f"p{a.primal}.detach_()")
     flush_bumps()
+
+
+def _emit_graph_call(src: _Source, plan: Plan, line: str) -> None:
+    """A call of a compiled graph. Traced under autocast, its casts are in it: autocast is off.
+    An inference graph whose program marked an input with requires_grad_() (the prologue did that
+    already) runs under no_grad: no output it computes needs a grad_fn (else it would be training)."""
+    contexts = []
+    if plan.autocast:
+        src.globals["_no_autocast"] = ambient.no_autocast
+        contexts.append("_no_autocast()")
+    if plan.prologue and not plan.is_training:
+        contexts.append("_no_grad()")
+    if contexts:
+        src.emit(f"with {', '.join(contexts)}:")
+        src.emit(line, indent=2)
+    else:
+        src.emit(line)
 
 
 def _emit(src: _Source, line: str, no_grad: bool) -> None:
