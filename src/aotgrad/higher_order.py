@@ -49,6 +49,54 @@ class HigherOrderError(AotgradError):
     """A higher-order gradient aotgrad cannot give exactly."""
 
 
+# Meta key on the `detach` nodes autograd's backward made of saved values (see `tag_saved_unpacks`).
+SAVED_UNPACK = "aotgrad_saved_unpack"
+
+
+def tag_saved_unpacks(graph: torch.fx.Graph, last_forward: torch.fx.Node | None) -> None:
+    """Tag the `detach` nodes autograd made of the values it saved for the backward.
+
+    Capture traces `autograd.grad` without `create_graph`, so a saved tensor reaches its backward
+    formula detached: the joint graph's backward reads `detach(detach(tanh))` (one when autograd
+    saved the output in the forward, one when the backward unpacked it) where eager's double
+    backward reads `tanh` with its history. Tagged: a `detach` recorded after `last_forward` and not
+    computed from a tangent, and a forward `detach` that only such backward nodes read. The
+    differentiable backward drops them (`_undetach`); the program's own `detach`es stay. cse.py
+    keeps tagged and untagged nodes apart."""
+    if last_forward is None:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    boundary = order[last_forward]
+    from_tangents = set(n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
+    detach = torch.ops.aten.detach.default
+    for node in graph.nodes:
+        if order[node] <= boundary:
+            continue
+        if any(a in from_tangents for a in node.all_input_nodes):
+            from_tangents.add(node)
+        elif node.op == "call_function" and node.target is detach:
+            node.meta[SAVED_UNPACK] = True
+    for node in graph.nodes:
+        if order[node] > boundary:
+            break
+        if (node.op == "call_function" and node.target is detach and node.users
+                and all(u.op != "output" and order[u] > boundary for u in node.users)):
+            node.meta[SAVED_UNPACK] = True
+
+
+def _undetach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with the tagged `detach` nodes replaced by their input (in place)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.meta.get(SAVED_UNPACK) and node.op == "call_function":
+            node.replace_all_uses_with(node.args[0], propagate_meta=False)
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm`'s graph (nodes and their meta dicts), so that compilers and the in-place
     rewrites of compile.py may change the original."""
@@ -69,17 +117,19 @@ class HigherOrder:
     num_saved_tensors: int
     mutated: dict[int, str]  # primal -> its name, for primals the program mutated in place
     make_compiled: Callable[[Callable], Callable]  # fn -> aotgrad CompiledFunction with the same config
-    _recompute: _Recompute | None = field(default=None, repr=False)
+    _recompute: dict[tuple[int, ...], _Recompute] = field(default_factory=dict, repr=False)
     _backward: Callable | None = field(default=None, repr=False)
 
-    def recompute(self) -> _Recompute:
-        if self._recompute is None:
-            self._recompute = _build_recompute(self)
-        return self._recompute
+    def recompute(self, positions: tuple[int, ...]) -> _Recompute:
+        """`R` for recomputing the saved tensors at `positions` (the others are its inputs)."""
+        rec = self._recompute.get(positions)
+        if rec is None:
+            rec = self._recompute[positions] = _build_recompute(self, positions)
+        return rec
 
     def compiled_backward(self) -> Callable:
         if self._backward is None:
-            self._backward = self.make_compiled(_positional(self.bw_graph))
+            self._backward = self.make_compiled(_positional(_undetach(pristine_copy(self.bw_graph))))
         return self._backward
 
     def bind(self, diff: list[int], unreached: dict[tuple[int, ...], list[int]], tangent_meta: list) -> Callable:
@@ -104,40 +154,52 @@ class HigherOrder:
             saved = list(ctx.saved_tensors)
             other = list(getattr(ctx, "saved_other", ()))
             ctx.maybe_clear_saved_tensors()
-            grads_in = list(self.differentiable_backward(primals, saved, other, tangents))
+            grads_in = list(self.differentiable_backward(ctx, primals, saved, other, tangents))
             for group, ks in unreached.items():
                 if all(grads[diff[j]] is None for j in group):
                     for k in ks:
                         grads_in[k] = None
             return tuple(grads_in)
 
-        return backward
+        # Autograd may call it from a frame Dynamo is compiling (`autograd.grad` inside a
+        # torch.compile'd model runs after a graph break): Dynamo must not trace aotgrad itself.
+        return torch._disable_dynamo(backward, recursive=True)
 
-    def differentiable_backward(self, primals, saved: list, other: list, tangents: list) -> list:
-        """The gradients of the primals, with autograd history on the primals and tangents."""
-        rec = self.recompute()
-        rec.check_mutated(primals, self.mutated)
+    def differentiable_backward(self, node, primals, saved: list, other: list, tangents: list) -> list:
+        """The gradients of the primals, with autograd history on the primals and tangents.
+
+        A saved tensor that is an input or an output of the compiled forward (`node`) comes back
+        from autograd with its history and is used as it is, as eager uses its saved tensors; the
+        other floating ones are recomputed by `R` and rebound to their saved values. (A view of an
+        input made in the forward comes back requiring grad but without the view's history.)"""
+        inputs = {id(p) for p in primals}
+        positions = tuple(
+            i for i, s in enumerate(saved)
+            if isinstance(s, torch.Tensor) and (s.is_floating_point() or s.is_complex())
+            and id(s) not in inputs and s.grad_fn is not node
+        )
         bound = list(saved)
-        if rec.float_positions and any(p.requires_grad for p in primals if isinstance(p, torch.Tensor)):
-            fixed = [saved[i] for i in rec.fixed_positions]
-            recomputed = rec.compiled(*primals, *fixed)
-            recomputed = recomputed if isinstance(recomputed, (list, tuple)) else (recomputed,)
-            for i, r in zip(rec.float_positions, recomputed):
-                if isinstance(r, torch.Tensor) and r.requires_grad:
-                    _check_same(saved[i], r, i)
-                    bound[i] = _Rebind.apply(saved[i], r)
+        if positions and any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals):
+            rec = self.recompute(positions)
+            rec.check_mutated(self.mutated)
+            if rec.any_output:
+                recomputed = rec.compiled(*primals, *(saved[i] for i in rec.fixed_positions))
+                for i, r in zip(positions, recomputed):
+                    if isinstance(r, torch.Tensor) and r.requires_grad:
+                        _check_same(saved[i], r, i)
+                        bound[i] = _Rebind.apply(saved[i], r)
         out = self.compiled_backward()(*bound, *other, *tangents)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 @dataclass
 class _Recompute:
-    compiled: Callable  # (*primals, *fixed saved values) -> floating saved values
-    float_positions: list[int]  # saved tensors recomputed (differentiable)
-    fixed_positions: list[int]  # saved tensors taken as inputs (no derivative)
-    needs: dict[int, int]  # primal -> bitmask of float_positions (by order) whose value flows from it
+    compiled: Callable  # (*primals, *fixed saved values) -> the recomputed saved values
+    fixed_positions: list[int]  # saved tensors taken as inputs
+    needs: dict[int, int]  # primal -> bitmask of the recomputed values whose value flows from it
+    any_output: bool
 
-    def check_mutated(self, primals, mutated: dict[int, str]) -> None:
+    def check_mutated(self, mutated: dict[int, str]) -> None:
         """Refuse where a saved value that carries a derivative depends on an input the program
         mutated in place: the primal now holds its new value, and its autograd history is that of
         the mutation."""
@@ -160,20 +222,14 @@ def _positional(gm: torch.fx.GraphModule) -> Callable:
     return call
 
 
-def _build_recompute(h: HigherOrder) -> _Recompute:
-    """The forward graph cut down to the floating saved values, non-floating ones as inputs."""
-    gm = pristine_copy(h.fw_graph)
+def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
+    """The forward graph cut down to the saved tensors at `positions`; the other saved tensors
+    become inputs (their values are known; those with history carry it in)."""
+    gm = _undetach(pristine_copy(h.fw_graph))
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
-    outs = list(graph.output_node().args[0])
-    saved = outs[h.num_fw_outputs : h.num_fw_outputs + h.num_saved_tensors]
-    float_positions, fixed_positions = [], []
-    for i, node in enumerate(saved):
-        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex()):
-            float_positions.append(i)
-        else:
-            fixed_positions.append(i)
+    saved = list(graph.output_node().args[0])[h.num_fw_outputs : h.num_fw_outputs + h.num_saved_tensors]
+    fixed_positions = [i for i in range(len(saved)) if i not in positions]
     last = placeholders[-1] if placeholders else None
     for i in fixed_positions:
         node = saved[i]
@@ -184,8 +240,7 @@ def _build_recompute(h: HigherOrder) -> _Recompute:
         last = p
         if isinstance(node, torch.fx.Node) and node.op != "placeholder":
             node.replace_all_uses_with(p, propagate_meta=False)
-    out_node = graph.output_node()
-    out_node.args = ([saved[i] for i in float_positions],)
+    graph.output_node().args = ([saved[i] for i in positions],)
     graph.eliminate_dead_code()
     random = [n for n in graph.nodes if n.op == "call_function" and _is_random(n.target)]
     if random:
@@ -196,9 +251,10 @@ def _build_recompute(h: HigherOrder) -> _Recompute:
         )
     gm.recompile()
     needs = _needs(gm, len(placeholders))
+    any_output = any(isinstance(o, torch.fx.Node) and o.op != "placeholder" for o in graph.output_node().args[0])
     log.debug("higher-order recompute: %d saved values recomputed, %d taken as inputs",
-              len(float_positions), len(fixed_positions))
-    return _Recompute(h.make_compiled(_positional(gm)), float_positions, fixed_positions, needs)
+              len(positions), len(fixed_positions))
+    return _Recompute(h.make_compiled(_positional(gm)), fixed_positions, needs, any_output or bool(positions))
 
 
 def _needs(gm: torch.fx.GraphModule, num_primals: int) -> dict[int, int]:
