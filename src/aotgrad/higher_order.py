@@ -34,6 +34,7 @@ graph.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -183,12 +184,12 @@ class HigherOrder:
             rec = self.recompute(positions)
             rec.check_mutated(self.mutated)
             if rec.any_output:
-                recomputed = rec.compiled(*primals, *(saved[i] for i in rec.fixed_positions))
+                recomputed = _call_differentiably(rec.compiled, *primals, *(saved[i] for i in rec.fixed_positions))
                 for i, r in zip(positions, recomputed):
                     if isinstance(r, torch.Tensor) and r.requires_grad:
                         _check_same(saved[i], r, i)
                         bound[i] = _Rebind.apply(saved[i], r)
-        out = self.compiled_backward()(*bound, *other, *tangents)
+        out = _call_differentiably(self.compiled_backward(), *bound, *other, *tangents)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
@@ -214,12 +215,58 @@ class _Recompute:
 
 
 def _positional(gm: torch.fx.GraphModule) -> Callable:
-    """`gm` called with positional arguments (one per placeholder)."""
+    """`gm` as a function of its placeholders, run op by op so that operators autograd cannot
+    differentiate are replaced by their decompositions (`_call_differentiably`)."""
 
     def call(*args):
-        return gm(*args)
+        return _Decomposing(gm).run(*args)
 
     return call
+
+
+# Operators (by schema name) autograd has no derivative for and that we decompose instead. Capture
+# traced the backward with grad mode off, and autograd then picks formulas it cannot differentiate
+# (`silu_backward`, where eager's double backward picks `infinitely_differentiable_silu_backward`).
+# Only those: a backward operator that has a double-backward formula keeps it (decomposing
+# `native_layer_norm_backward` would cut the dependence of the saved mean and rstd on the input).
+_DECOMPOSED: set[str] = set()
+_NO_DERIVATIVE = re.compile(r"derivative for (\S+) is not implemented")
+
+
+class _Decomposing(torch.fx.Interpreter):
+    def call_function(self, target, args, kwargs):
+        if isinstance(target, torch._ops.OpOverload) and target._schema.name in _DECOMPOSED:
+            from torch._decomp import decomposition_table
+
+            decomposed = decomposition_table.get(target)
+            if decomposed is not None:
+                out = decomposed(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        return super().call_function(target, args, kwargs)
+
+
+def _call_differentiably(fn: Callable, *args):
+    """`fn(*args)` (which compiles on a new signature), retried with each operator autograd reports
+    it cannot differentiate decomposed; refused if torch has no decomposition for it."""
+    from torch._decomp import decomposition_table
+
+    while True:
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            m = _NO_DERIVATIVE.search(str(e))
+            if m is None or isinstance(e, AotgradError) or m.group(1) in _DECOMPOSED:
+                raise
+            name = m.group(1)
+            if not any(isinstance(op, torch._ops.OpOverload) and op._schema.name == name for op in decomposition_table):
+                raise HigherOrderError(
+                    f"aotgrad: higher-order gradient (create_graph=True): the compiled backward calls {name}, "
+                    "which autograd cannot differentiate and torch has no decomposition for. Run this function "
+                    "eagerly where you need higher-order gradients."
+                ) from e
+            log.debug("higher-order: decomposing %s (no derivative)", name)
+            _DECOMPOSED.add(name)
 
 
 def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
