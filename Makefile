@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 N ?= 2000
 SEED ?= 0
+ORDER ?= 1
 
 .PHONY: install demo demo-small test test-long bench lint fuzz clean
 
@@ -35,7 +36,7 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 fuzz: install
-	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED)
+	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples scripts
