@@ -2,33 +2,32 @@
 
 The compiled backward graph runs inside an `autograd.Function`, whose backward autograd does not
 differentiate. When that backward runs with grad mode on (`create_graph=True`, or
-`autograd.grad(..., create_graph=True)` inside a model), the run time calls `HigherOrder.backward`
-instead, which computes the same gradients through two functions aotgrad compiles itself:
+`autograd.grad(..., create_graph=True)` inside a model), the run time calls `HigherOrder.bind`'s
+backward instead, which computes the same gradients through functions aotgrad compiles itself:
 
-    recompute(primals, non-float saved)  -> the forward's floating saved values   (R)
-    backward(saved, tangents)            -> the gradient of each primal            (B)
+    R(primals, other saved values)  -> the saved values that lack autograd history
+    B(saved values, tangents)       -> the gradient of each primal
 
-`R` is the forward graph cut down to the values it saves; `B` is the backward graph. Both are
+`R` is the forward graph cut down to those saved values; `B` is the backward graph. Both are
 traced from pristine copies of the partitioned graphs (compile.py keeps them before any compiler
-touches them), through `CompiledFunction`, so each is cached per input signature and its own
+touches them) through `CompiledFunction`, so each is cached per input signature and its own
 backward is differentiable the same way: third and higher orders come by recursion.
 
-The saved values autograd gives back are used for their values; `_Rebind` ties each one to its
-recomputation, so the gradient flows from `B` through `R` into the primals' autograd history
-(values stay bit-identical to the first-order backward). Non-floating saved values (masks,
-indices, maybe drawn at random) have no derivative: `R` takes them as inputs instead of recomputing
-them, so a dropout mask is not drawn again.
+Saved inputs and outputs of the forward come back from autograd with their history and are used as
+they are (as eager uses its saved tensors). Every other floating saved value keeps its saved value
+and gets the history of its recomputation (`_Rebind`), so the first-order values are bit-identical
+to the plain backward's. Non-floating saved values (masks, indices, maybe drawn at random) have no
+derivative: `R` takes them as inputs, so a dropout mask is not drawn again.
 
 First-order cost: the compiled forward keeps a reference to its inputs on the autograd context
 (`ctx.primals`, dropped by a first-order backward that frees the graph), and compile.py copies the
 two partitioned graphs once per compiled signature. Nothing else runs unless a backward runs with
 grad mode on.
 
-Refused (an `AotgradError` naming the input), never a wrong gradient: a saved value that depends
-on an input the program mutated in place (the second backward would need its old value); random
-operators left in `R`; recomputed saved values that no longer match the saved ones (an input
-modified in place after the forward); an earlier first-order backward that already released the
-graph.
+Refused (a `HigherOrderError`), never a wrong gradient: a recomputed value that depends on an input
+the program mutated in place (named: the second backward would need its old value); random
+operators left in `R`; recomputed values that no longer match the saved ones (an input modified in
+place after the forward); a backward operator with neither derivative nor decomposition.
 """
 
 from __future__ import annotations
@@ -183,12 +182,11 @@ class HigherOrder:
         if positions and any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals):
             rec = self.recompute(positions)
             rec.check_mutated(self.mutated)
-            if rec.any_output:
-                recomputed = _call_differentiably(rec.compiled, *primals, *(saved[i] for i in rec.fixed_positions))
-                for i, r in zip(positions, recomputed):
-                    if isinstance(r, torch.Tensor) and r.requires_grad:
-                        _check_same(saved[i], r, i)
-                        bound[i] = _Rebind.apply(saved[i], r)
+            recomputed = _call_differentiably(rec.compiled, *primals, *(saved[i] for i in rec.fixed_positions))
+            for i, r in zip(positions, recomputed):
+                if isinstance(r, torch.Tensor) and r.requires_grad:
+                    _check_same(saved[i], r, i)
+                    bound[i] = _Rebind.apply(saved[i], r)
         out = _call_differentiably(self.compiled_backward(), *bound, *other, *tangents)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -198,7 +196,6 @@ class _Recompute:
     compiled: Callable  # (*primals, *fixed saved values) -> the recomputed saved values
     fixed_positions: list[int]  # saved tensors taken as inputs
     needs: dict[int, int]  # primal -> bitmask of the recomputed values whose value flows from it
-    any_output: bool
 
     def check_mutated(self, mutated: dict[int, str]) -> None:
         """Refuse where a saved value that carries a derivative depends on an input the program
@@ -298,10 +295,9 @@ def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
         )
     gm.recompile()
     needs = _needs(gm, len(placeholders))
-    any_output = any(isinstance(o, torch.fx.Node) and o.op != "placeholder" for o in graph.output_node().args[0])
     log.debug("higher-order recompute: %d saved values recomputed, %d taken as inputs",
               len(positions), len(fixed_positions))
-    return _Recompute(h.make_compiled(_positional(gm)), fixed_positions, needs, any_output or bool(positions))
+    return _Recompute(h.make_compiled(_positional(gm)), fixed_positions, needs)
 
 
 def _needs(gm: torch.fx.GraphModule, num_primals: int) -> dict[int, int]:
