@@ -31,6 +31,7 @@ from .decompositions import default_decompositions
 from .errors import (
     AotgradError,
     BackwardMutationError,
+    HigherOrderError,
     InplaceOnLeafError,
     UnsupportedAliasingError,
     UnsupportedInputError,
@@ -44,6 +45,7 @@ __all__ = [
     "AOTModule",
     "AotgradError",
     "BackwardMutationError",
+    "HigherOrderError",
     "BackwardSignature",
     "GraphSignature",
     "CompiledFunction",

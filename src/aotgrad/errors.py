@@ -31,3 +31,7 @@ class BackwardMutationError(UnsupportedMutationError):
 
 class InplaceOnLeafError(UnsupportedMutationError):
     """Mirrors eager's refusal to mutate a leaf that requires grad."""
+
+
+class HigherOrderError(AotgradError):
+    """A higher-order gradient (`create_graph=True`) aotgrad cannot give exactly."""

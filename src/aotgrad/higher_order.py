@@ -40,13 +40,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .errors import AotgradError
+from .errors import AotgradError, HigherOrderError
 
 log = logging.getLogger("aotgrad.higher_order")
-
-
-class HigherOrderError(AotgradError):
-    """A higher-order gradient aotgrad cannot give exactly."""
 
 
 # Meta key on the `detach` nodes autograd's backward made of saved values (see `tag_saved_unpacks`).
