@@ -411,3 +411,42 @@ def test_inductor(how):
             out.append(grads(sum((a * b).sum() for a, b in zip(g, v)), params))
         for a, b in zip(*out):
             close(a, b)
+
+
+@pytest.mark.parametrize("partition", ["default", "mincut"])
+def test_dropout_mask_is_reused_not_drawn_again(partition):
+    """The mask is a saved value drawn at random: the differentiable backward takes it as it was
+    saved (a new draw would differ, and would move the generator eager leaves alone)."""
+    f = lambda x, w: F.dropout((x * w).sin(), 0.5, training=True).tanh().sum()  # noqa: E731
+    kw = {"partition_fn": min_cut_rematerialization_partition} if partition == "mincut" else {}
+    cf = aot_function(f, nop, **kw)
+    x, w = leaf(6), leaf(6, seed=1)
+    res = []
+    for fn in (f, cf):
+        torch.manual_seed(1)
+        g = torch.autograd.grad(fn(x, w), (x, w), create_graph=True)
+        res.append((*g, *grads(g[0].sum(), (x, w)), torch.rand(3)))
+    for a, b in zip(*res):
+        close(b, a)
+
+
+def test_gradient_penalty_dynamic_shapes():
+    torch.manual_seed(0)
+    critic = Critic().double()
+    ref = copy.deepcopy(critic)
+    compiled = torch.compile(critic, backend="aotgrad_eager", dynamic=True)
+    for n in (5, 7, 9):
+        real, fake, alpha = torch.randn(n, 4, dtype=D), torch.randn(n, 4, dtype=D), torch.rand(n, 1, dtype=D)
+        close(_gradient_penalty(compiled, real, fake, alpha), _gradient_penalty(ref, real, fake, alpha))
+        for p, q in zip(critic.parameters(), ref.parameters()):
+            close(p.grad, q.grad)
+            p.grad = q.grad = None
+
+
+def test_fuzzer_second_order_mode():
+    """`make fuzz ORDER=2` on a few programs: no crash, no mismatch."""
+    from aotgrad import fuzz, fuzz_order2
+
+    summary = fuzz.run(30, seed=1, shrink_failures=False, out_dir=None, check_fn=fuzz_order2.check_program)
+    assert not summary.failures, summary.report()
+    assert summary.counts["matched"] > 5

@@ -115,6 +115,7 @@ class HigherOrder:
     make_compiled: Callable[[Callable], Callable]  # fn -> aotgrad CompiledFunction with the same config
     _recompute: dict[tuple[int, ...], _Recompute] = field(default_factory=dict, repr=False)
     _backward: Callable | None = field(default=None, repr=False)
+    _drawn: frozenset[int] | None = field(default=None, repr=False)
 
     def recompute(self, positions: tuple[int, ...]) -> _Recompute:
         """`R` for recomputing the saved tensors at `positions` (the others are its inputs)."""
@@ -123,9 +124,16 @@ class HigherOrder:
             rec = self._recompute[positions] = _build_recompute(self, positions)
         return rec
 
+    def drawn_at_random(self) -> frozenset[int]:
+        """Saved tensors computed from random draws alone (a dropout mask): no derivative, and
+        recomputing them would draw again, so `R` takes them as inputs."""
+        if self._drawn is None:
+            self._drawn = _drawn_at_random(self.fw_graph, self.num_fw_outputs, self.num_saved_tensors)
+        return self._drawn
+
     def compiled_backward(self) -> Callable:
         if self._backward is None:
-            self._backward = self.make_compiled(_positional(_undetach(pristine_copy(self.bw_graph))))
+            self._backward = _compile_graph(self, _undetach(pristine_copy(self.bw_graph)))
         return self._backward
 
     def bind(self, diff: list[int], unreached: dict[tuple[int, ...], list[int]], tangent_meta: list) -> Callable:
@@ -169,10 +177,11 @@ class HigherOrder:
         other floating ones are recomputed by `R` and rebound to their saved values. (A view of an
         input made in the forward comes back requiring grad but without the view's history.)"""
         inputs = {id(p) for p in primals}
+        drawn = self.drawn_at_random()
         positions = tuple(
             i for i, s in enumerate(saved)
             if isinstance(s, torch.Tensor) and (s.is_floating_point() or s.is_complex())
-            and id(s) not in inputs and s.grad_fn is not node
+            and id(s) not in inputs and s.grad_fn is not node and i not in drawn
         )
         bound = list(saved)
         if positions and any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals):
@@ -215,6 +224,36 @@ def _positional(gm: torch.fx.GraphModule) -> Callable:
         return _Decomposing(gm).run(*args)
 
     return call
+
+
+def _compile_graph(h: HigherOrder, gm: torch.fx.GraphModule) -> Callable:
+    """`gm` compiled by aotgrad, with its 0-d inputs read only by `.item()` passed as Python numbers."""
+    scalars = _scalar_inputs(gm)
+    compiled = h.make_compiled(_positional(gm))
+    if not scalars:
+        return compiled
+
+    def call(*args):
+        return compiled(*(a.item() if k in scalars else a for k, a in enumerate(args)))
+
+    return call
+
+
+def _scalar_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Placeholders read only by `_local_scalar_dense` (a float Dynamo passes as a 0-d tensor under
+    `dynamic=True`), rewritten to take the number itself. Tracing `.item()` of a fake tensor fails;
+    a number is part of aotgrad's cache key, so each value gets its own compiled graph."""
+    item = torch.ops.aten._local_scalar_dense.default
+    out = set()
+    for k, p in enumerate(gm.graph.find_nodes(op="placeholder")):
+        if p.users and all(u.op == "call_function" and u.target is item for u in p.users):
+            for u in list(p.users):
+                u.replace_all_uses_with(p, propagate_meta=False)
+                gm.graph.erase_node(u)
+            out.add(k)
+    if out:
+        gm.recompile()
+    return frozenset(out)
 
 
 # Operators (by schema name) autograd has no derivative for and that we decompose instead. Capture
@@ -281,7 +320,7 @@ def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
         if isinstance(node, torch.fx.Node) and node.op != "placeholder":
             node.replace_all_uses_with(p, propagate_meta=False)
     graph.output_node().args = ([saved[i] for i in positions],)
-    graph.eliminate_dead_code()
+    _eliminate_dead_code(graph)
     random = [n for n in graph.nodes if n.op == "call_function" and _is_random(n.target)]
     if random:
         raise HigherOrderError(
@@ -293,7 +332,44 @@ def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
     needs = _needs(gm, len(placeholders))
     log.debug("higher-order recompute: %d saved values recomputed, %d taken as inputs",
               len(positions), len(fixed_positions))
-    return _Recompute(h.make_compiled(_positional(gm)), fixed_positions, needs)
+    return _Recompute(_compile_graph(h, gm), fixed_positions, needs)
+
+
+# Factories that read only their argument's metadata (a random mask is drawn into `empty_like(x)`).
+_METADATA_ONLY = {torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default,
+                  torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default,
+                  torch.ops.aten.empty.memory_format, torch.ops.aten.full.default,
+                  torch.ops.aten.empty_strided.default}
+
+
+def _drawn_at_random(gm: torch.fx.GraphModule, num_fw_outputs: int, num_saved: int) -> frozenset[int]:
+    """Positions of the saved tensors whose value comes from random operators, metadata-only
+    factories and constants alone."""
+    random: set[torch.fx.Node] = set()
+    constant: set[torch.fx.Node] = set()  # no value flows from a graph input
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _METADATA_ONLY:
+            constant.add(node)
+        elif _is_random(node.target):
+            random.add(node)
+        elif node.all_input_nodes and all(a in random or a in constant for a in node.all_input_nodes):
+            (random if any(a in random for a in node.all_input_nodes) else constant).add(node)
+    saved = list(gm.graph.output_node().args[0])[num_fw_outputs : num_fw_outputs + num_saved]
+    return frozenset(i for i, n in enumerate(saved) if n in random)
+
+
+def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """Dead-code elimination that also drops unused random draws (fx keeps them as impure): `R`
+    must not advance the random generator for a value nothing reads."""
+    while True:
+        graph.eliminate_dead_code()
+        unused = [n for n in graph.nodes if n.op == "call_function" and not n.users and _is_random(n.target)]
+        if not unused:
+            return
+        for n in unused:
+            graph.erase_node(n)
 
 
 def _needs(gm: torch.fx.GraphModule, num_primals: int) -> dict[int, int]:
