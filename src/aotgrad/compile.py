@@ -27,6 +27,7 @@ from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
 from .reinplace import reinplace
+from .tracer import GRAD_MODE_RECORDED
 
 
 @dataclass
@@ -129,6 +130,7 @@ def compile_training(
         compiled.higher_order = HigherOrder(
             *pristine, plan.num_fw_outputs, num_tensors,
             mutated={k: _primal_name(plan.layout, k) for k in mutated}, make_compiled=make_compiled,
+            grad_mode_recorded=bool(captured.graph.meta.get(GRAD_MODE_RECORDED)),
         )
     example_cotangents = _symbolic_placeholder_values(bw_module)
     if example_cotangents is not None:

@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from .errors import AotgradError, HigherOrderError
+from .tracer import NO_GRAD
 
 log = logging.getLogger("aotgrad.higher_order")
 
@@ -68,6 +69,7 @@ def tag_saved_unpacks(graph: torch.fx.Graph, last_forward: torch.fx.Node | None)
     for node in graph.nodes:
         if order[node] <= boundary:
             continue
+        node.meta.pop(NO_GRAD, None)  # the whole backward is traced with grad mode off
         if any(a in from_tangents for a in node.all_input_nodes):
             from_tangents.add(node)
         elif node.op == "call_function" and node.target is detach:
@@ -113,6 +115,7 @@ class HigherOrder:
     num_saved_tensors: int
     mutated: dict[int, str]  # primal -> its name, for primals the program mutated in place
     make_compiled: Callable[[Callable], Callable]  # fn -> aotgrad CompiledFunction with the same config
+    grad_mode_recorded: bool = True  # the trace marked nodes recorded under no_grad (tracer.NO_GRAD)
     _recompute: dict[tuple[int, ...], _Recompute] = field(default_factory=dict, repr=False)
     _backward: Callable | None = field(default=None, repr=False)
     _drawn: frozenset[int] | None = field(default=None, repr=False)
@@ -133,7 +136,9 @@ class HigherOrder:
 
     def compiled_backward(self) -> Callable:
         if self._backward is None:
-            self._backward = _compile_graph(self, _undetach(pristine_copy(self.bw_graph)))
+            gm = _undetach(pristine_copy(self.bw_graph))
+            _refuse_no_grad_values(gm, gm.graph.find_nodes(op="placeholder"))
+            self._backward = _compile_graph(self, gm)
         return self._backward
 
     def bind(self, diff: list[int], unreached: dict[tuple[int, ...], list[int]], tangent_meta: list) -> Callable:
@@ -184,6 +189,13 @@ class HigherOrder:
             and id(s) not in inputs and s.grad_fn is not node and i not in drawn
         )
         bound = list(saved)
+        if not self.grad_mode_recorded:
+            raise HigherOrderError(
+                "aotgrad: higher-order gradient (create_graph=True) through a function traced with make_fx "
+                "(symbolic shapes, or higher-order operators other than with_effects): that trace does not "
+                "record which values were computed under torch.no_grad(), which the second derivative must "
+                "treat as constants. Use static shapes, or run this function eagerly."
+            )
         if positions and any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals):
             rec = self.recompute(positions)
             rec.check_mutated(self.mutated)
@@ -328,6 +340,7 @@ def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
             f"values depend on a random operator ({random[0].target}): recomputing them would draw new random "
             "numbers. Run this function eagerly where you need higher-order gradients."
         )
+    _refuse_no_grad_values(gm, placeholders)
     gm.recompile()
     needs = _needs(gm, len(placeholders))
     log.debug("higher-order recompute: %d saved values recomputed, %d taken as inputs",
@@ -358,6 +371,32 @@ def _drawn_at_random(gm: torch.fx.GraphModule, num_fw_outputs: int, num_saved: i
             (random if any(a in random for a in node.all_input_nodes) else constant).add(node)
     saved = list(gm.graph.output_node().args[0])[num_fw_outputs : num_fw_outputs + num_saved]
     return frozenset(i for i, n in enumerate(saved) if n in random)
+
+
+def _refuse_no_grad_values(gm: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> None:
+    """Refuse a graph that differentiates through a floating value the forward computed with grad
+    mode off from a floating input. Under `torch.no_grad()` eager made it a constant; inside a
+    custom autograd.Function's forward its derivative is the Function's backward: the graph cannot
+    tell the two apart, and either way differentiating its ops would be wrong."""
+    floating = {n for n in inputs if _is_floating(n)}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target in _METADATA_ONLY:
+            continue
+        if any(a in floating for a in node.all_input_nodes):
+            if node.meta.get(NO_GRAD) and _is_floating(node):
+                raise HigherOrderError(
+                    f"aotgrad: higher-order gradient (create_graph=True): a value the second derivative goes "
+                    f"through ({node.target}) was computed from the inputs with grad mode off, under "
+                    "torch.no_grad() or inside a custom autograd.Function. aotgrad cannot tell which, so "
+                    "it cannot differentiate it as eager would. Run this function eagerly, or compute that "
+                    "value outside the compiled function."
+                )
+            floating.add(node)
+
+
+def _is_floating(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
 
 def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
