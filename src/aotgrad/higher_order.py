@@ -279,6 +279,8 @@ _NO_DERIVATIVE = re.compile(r"derivative for (\S+) is not implemented")
 
 class _Decomposing(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.zero.default:  # no derivative for complex outputs; the same value
+            return torch.zeros_like(args[0])
         if isinstance(target, torch._ops.OpOverload) and target._schema.name in _DECOMPOSED:
             from torch._decomp import decomposition_table
 
@@ -300,6 +302,11 @@ def _call_differentiably(fn: Callable, *args):
             return fn(*args)
         except RuntimeError as e:
             m = _NO_DERIVATIVE.search(str(e))
+            if "does not support automatic differentiation" in str(e) and not isinstance(e, AotgradError):
+                raise HigherOrderError(
+                    f"aotgrad: higher-order gradient (create_graph=True): {str(e).splitlines()[0]} (an operator "
+                    "of the compiled backward). Run this function eagerly where you need higher-order gradients."
+                ) from e
             if m is None or isinstance(e, AotgradError) or m.group(1) in _DECOMPOSED:
                 raise
             name = m.group(1)
