@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .capture import _primal_name
+from .capture_inputs import _primal_name
 from .compilers import boxed, naming, takes_functional_graphs
 from .higher_order import HigherOrder, pristine_copy
 from .interpreter_stack import on_roomy_stack

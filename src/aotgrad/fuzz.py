@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 
 from .fuzz_check import KINDS, Outcome, check_program, explain, normalize
 from .fuzz_programs import NoGrad, Program, Stmt, generate, materialize, view_expr

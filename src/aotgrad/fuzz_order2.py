@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .fuzz import Outcome, Program, _compile, _first_line, _quiet, _refusal_in, materialize, normalize
+from .fuzz_check import Outcome, _compile, _first_line, _quiet, _refusal_in, normalize
+from .fuzz_programs import Program, materialize
 from .testing import _assert_close, _coarsest_float, _leaves_requiring_grad, _loss_term, _tensors
 
 # Second derivatives in float32 go through more rounding than the first: looser than torch's default.
