@@ -1,7 +1,7 @@
 """A force-field training step through torch.compile(backend="aotgrad") against eager.
 
 The model of examples/force_field.py: an energy MLP over the pairwise distances of 64 atoms
-(2,016 pairs per configuration, a batch of 8), forces = -dE/dpos taken inside the model with
+(2,016 pairs per configuration, a batch of 4), forces = -dE/dpos taken inside the model with
 `autograd.grad(create_graph=True)`, a loss on energies and forces, backward to the weights, AdamW.
 That backward is a second-order gradient through the compiled energy graph (higher_order.py).
 Upstream's `torch.compile(backend="inductor")` is tried too: it refuses double backward.
@@ -10,7 +10,7 @@ Upstream's `torch.compile(backend="inductor")` is tried too: it refuses double b
 2. Steady state: median step time (loss, zero_grad, backward, AdamW step), the implementations
    taking turns step by step for `--seconds`; ratio = aotgrad / eager. Target <= 0.7.
 
-    python benchmarks/force_field_bench.py [--seconds 10] [--batch 8] [--json out.json]
+    python benchmarks/force_field_bench.py [--seconds 10] [--batch 4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def report(result: dict) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

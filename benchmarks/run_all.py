@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_force_field:
         import force_field_bench
 
-        fres = force_field_bench.run(10.0, 8, log=log)
+        fres = force_field_bench.run(10.0, 4, log=log)
         ok, line = force_field_bench.report(fres)
         all_ok &= ok
         summaries.append(line)

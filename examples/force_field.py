@@ -52,8 +52,10 @@ class EnergyMLP(nn.Module):
 
 
 def force_field_loss(model: nn.Module, pos, e_ref, f_ref, force_weight: float = 10.0) -> torch.Tensor:
+    """Energy error per atom, plus the weighted force error."""
     e, f = model(pos)
-    return F.mse_loss(e, e_ref) + force_weight * F.mse_loss(f, f_ref)
+    n = pos.shape[1]
+    return F.mse_loss(e / n, e_ref / n) + force_weight * F.mse_loss(f, f_ref)
 
 
 def morse_energy(pos: torch.Tensor, r0: float = 1.2, a: float = 1.5, depth: float = 0.1) -> torch.Tensor:
@@ -87,7 +89,7 @@ def train_step(loss_fn, opt, data) -> torch.Tensor:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--backend", default="aotgrad")
     p.add_argument("--eager", action="store_true", help="no torch.compile")
     args = p.parse_args(argv)
