@@ -25,9 +25,11 @@ two partitioned graphs once per compiled signature. Nothing else runs unless a b
 grad mode on.
 
 Refused (a `HigherOrderError`), never a wrong gradient: a recomputed value that depends on an input
-the program mutated in place (named: the second backward would need its old value); random
-operators left in `R`; recomputed values that no longer match the saved ones (an input modified in
-place after the forward); a backward operator with neither derivative nor decomposition.
+the program mutated in place (named: the second backward would need its old value); a derivative
+through a value the forward computed with grad mode off (`no_grad`, a custom Function's forward:
+`_refuse_no_grad_values`), and graphs make_fx recorded, which do not mark those; random operators
+left in `R`; recomputed values that no longer match the saved ones (an input modified in place
+after the forward); a backward operator with neither derivative nor decomposition.
 """
 
 from __future__ import annotations
