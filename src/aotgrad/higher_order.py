@@ -451,8 +451,12 @@ def _check_same(saved: torch.Tensor, recomputed: torch.Tensor, i: int) -> None:
     if a.shape != b.shape or a.dtype != b.dtype:
         raise HigherOrderError(f"aotgrad internal error: recomputed saved value {i} has shape/dtype "
                                f"{tuple(b.shape)}/{b.dtype}, saved {tuple(a.shape)}/{a.dtype}")
-    rtol = 1e-3 if a.element_size() >= 4 else 2e-2
-    if not torch.allclose(a, b, rtol=rtol, atol=rtol, equal_nan=True):
+    tol = 1e-3 if a.element_size() >= 4 else 2e-2
+    # Three passes (allclose makes a dozen: 27% of a force-field step); the full check only when
+    # this one fails (a NaN or an infinity also lands there).
+    if a.numel() and bool(torch.sub(a, b).abs_().amax() <= tol * (1 + a.abs().amax())):
+        return
+    if not torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True):
         raise HigherOrderError(
             "aotgrad: higher-order gradient (create_graph=True) through a compiled function: a value its "
             "forward saved no longer matches its recomputation from the function's inputs, so an input was "
