@@ -492,3 +492,14 @@ def test_fuzzer_second_order_mode():
     summary = fuzz.run(30, seed=1, shrink_failures=False, out_dir=None, check_fn=fuzz_order2.check_program)
     assert not summary.failures, summary.report()
     assert summary.counts["matched"] > 5
+
+
+def test_input_not_saved_but_modified_after_the_forward_is_caught_by_the_value_check():
+    """`w` is not saved (add saves nothing, tanh its output): no version check sees the change, the
+    recomputed tanh output differs from the saved one."""
+    cf = aot_function(lambda x, w: (x + w).tanh().sum(), nop)
+    x, w = leaf(4), torch.randn(4, dtype=D)
+    out = cf(x, w)
+    w.add_(1)
+    with pytest.raises(aotgrad.HigherOrderError, match="no longer matches"):
+        torch.autograd.grad(out, x, create_graph=True)
