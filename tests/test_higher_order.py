@@ -503,3 +503,22 @@ def test_input_not_saved_but_modified_after_the_forward_is_caught_by_the_value_c
     w.add_(1)
     with pytest.raises(aotgrad.HigherOrderError, match="no longer matches"):
         torch.autograd.grad(out, x, create_graph=True)
+
+
+def test_input_requiring_grad_mutated_in_forward_is_refused_fuzz_2686():
+    """Fuzzer program 2686: the input is scaled in place through a view, then tanh of it returned.
+    Its history is the mutation's afterwards; aotgrad refuses rather than give eager's gradient x2."""
+
+    def f(a0, a1):
+        a0.reshape((1, 3, 3)).mul_(0.5)
+        return a0.tanh()
+
+    r0 = leaf(3, 3)
+    c0 = r0.clone()
+    cf = aot_function(f, nop)
+    (g,) = torch.autograd.grad(cf(c0, c0.view(3, -1)).sum(), r0)  # first order is fine
+    c1 = r0.clone()
+    close(g, torch.autograd.grad(f(c1, c1.view(3, -1)).sum(), r0)[0])
+    c0 = r0.clone()
+    with pytest.raises(aotgrad.HigherOrderError, match="mutates input 0 in place"):
+        torch.autograd.grad(cf(c0, c0.view(3, -1)).sum(), r0, create_graph=True)

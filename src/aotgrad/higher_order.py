@@ -198,6 +198,11 @@ class HigherOrder:
                 "record which values were computed under torch.no_grad(), which the second derivative must "
                 "treat as constants. Use static shapes, or run this function eagerly."
             )
+        for k, name in self.mutated.items():
+            # Its autograd history is now the mutation's (the epilogue's copy_), which the saved
+            # values the gradient goes through do not account for (fuzzer program 2686).
+            if isinstance(primals[k], torch.Tensor) and primals[k].requires_grad:
+                raise _mutated_input(name)
         if positions and any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals):
             rec = self.recompute(positions)
             rec.check_mutated(self.mutated)
@@ -222,12 +227,16 @@ class _Recompute:
         the mutation."""
         for k, name in mutated.items():
             if self.needs.get(k):
-                raise HigherOrderError(
-                    f"aotgrad: higher-order gradient (create_graph=True) through a compiled function that "
-                    f"mutates {name} in place: the second backward would need that input's value from before "
-                    "the mutation, which is gone. Mutate a .clone() of it inside the function instead, or "
-                    "run this function eagerly."
-                )
+                raise _mutated_input(name)
+
+
+def _mutated_input(name: str) -> HigherOrderError:
+    return HigherOrderError(
+        f"aotgrad: higher-order gradient (create_graph=True) through a compiled function that mutates {name} "
+        "in place: the second backward would need that input's value (and autograd history) from before the "
+        "mutation, which is gone. Mutate a .clone() of it inside the function instead, or run this function "
+        "eagerly."
+    )
 
 
 def _positional(gm: torch.fx.GraphModule) -> Callable:
