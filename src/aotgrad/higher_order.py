@@ -24,8 +24,9 @@ First-order cost: the compiled forward keeps a reference to its inputs on the au
 two partitioned graphs once per compiled signature. Nothing else runs unless a backward runs with
 grad mode on.
 
-Refused (a `HigherOrderError`), never a wrong gradient: a recomputed value that depends on an input
-the program mutated in place (named: the second backward would need its old value); a derivative
+Refused (a `HigherOrderError`), never a wrong gradient: an input requiring grad that the program
+mutated in place, and a recomputed value that depends on any input it mutated (named: the second
+backward would need its old value and history); a derivative
 through a value the forward computed with grad mode off (`no_grad`, a custom Function's forward:
 `_refuse_no_grad_values`), and graphs make_fx recorded, which do not mark those; random operators
 left in `R`; recomputed values that no longer match the saved ones (an input modified in place
