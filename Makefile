@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 N ?= 2000
 SEED ?= 0
+ORDER ?= 1
 
 .PHONY: install browser demo demo-small test test-long bench lint fuzz explain-demo clean
 
@@ -41,7 +42,7 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 fuzz: install
-	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED)
+	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER)
 
 # The README's screenshot of an aotgrad.explain page: docs/explain.png, taken by headless Chromium.
 explain-demo: install

@@ -6,11 +6,13 @@
 3. Partitioners: saved bytes of min-cut and the memory-budget sweep (partition_bench.py).
 4. torch.compile: aotgrad+Inductor vs upstream Inductor, steady-state step and cold compile in one
    process (backend_bench.py), then cold compiles each in a fresh process (cold_compile_bench.py).
+5. A force-field training step (forces = -dE/dpos inside the model, a second-order gradient)
+   through torch.compile(backend="aotgrad") vs eager; target ratio <= 0.7 (force_field_bench.py).
 
 Options: --repeats N (cold compiles per model and implementation, median; default 9),
 --number N and --overhead-repeats N (timeit calls per sample and samples; default 3000 and 7),
 --only NAME[,NAME] (compile-time models), --skip-compile, --skip-overhead, --skip-partition,
---skip-backend, --skip-fresh-compile, --json PATH.
+--skip-backend, --skip-force-field, --skip-fresh-compile, --json PATH.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-backend", action="store_true", help="skip torch.compile+Inductor (4-5 min)")
     p.add_argument("--skip-fresh-compile", action="store_true",
                    help="skip cold torch.compile times measured in fresh processes (~13 min)")
+    p.add_argument("--skip-force-field", action="store_true",
+                   help="skip the force-field training step (second-order gradients; ~1-2 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -169,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         import backend_bench
 
         backend_bench.main([])
+    if not args.skip_force_field:
+        import force_field_bench
+
+        fres = force_field_bench.run(10.0, 4, log=log)
+        ok, line = force_field_bench.report(fres)
+        all_ok &= ok
+        summaries.append(line)
+        raw["force_field"] = fres
     if not args.skip_fresh_compile:
         import cold_compile_bench
 

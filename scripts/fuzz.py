@@ -9,6 +9,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --seed 0 --only 258      # re-check (and shrink) one program
     python scripts/fuzz.py --seed 0 --show 258      # print one generated program
     python scripts/fuzz.py --n 500 --backend aotgrad_eager --reference aot_eager   # through torch.compile
+    python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.fuzz_order2)
 """
 
 from __future__ import annotations
@@ -43,18 +44,25 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", default=None,
                     help="with --backend: re-check each failure under this backend (e.g. upstream's aot_eager); "
                          "failures it shares do not fail the run")
+    ap.add_argument("--order", type=int, choices=(1, 2), default=1,
+                    help="2: also differentiate each program's gradients (create_graph=True) and compare those")
     args = ap.parse_args(argv)
+    check_program = fuzz.check_program
+    if args.order == 2:
+        from aotgrad import fuzz_order2
+
+        check_program = fuzz_order2.check_program
 
     if args.show is not None:
         print(fuzz.generate(args.seed, args.show).reproducer())
         return 0
     if args.only is not None:
         prog = fuzz.generate(args.seed, args.only)
-        out = fuzz.check_program(prog, backend=args.backend)
+        out = check_program(prog, backend=args.backend)
         print(f"{out.kind}: {out.message or out.key}")
         if out.kind in ("crashed", "mismatched"):
             if not args.no_shrink:
-                prog = fuzz.shrink(prog, out, still_fails=lambda p: fuzz.check_program(
+                prog = fuzz.shrink(prog, out, still_fails=lambda p: check_program(
                     p, backend=args.backend).same_failure(out))
             print(prog.reproducer(out.message.splitlines()[0] if out.message else "", args.backend))
             if out.detail:
@@ -70,6 +78,7 @@ def main(argv=None) -> int:
         out_dir=args.out or None,
         progress=None if args.quiet else fuzz.Progress(args.n),
         backend=args.backend,
+        check_fn=check_program,
     )
     print(summary.report(top=args.top))
     own = len(summary.failures)

@@ -125,13 +125,15 @@ def test_backward_compiled_lazily():
     assert len(bw.graphs) == 1
 
 
-def test_double_backward_is_refused_not_silently_first_order():
-    """Eager records the gradient's history under create_graph=True; the compiled backward cannot,
-    so aotgrad refuses instead of returning a gradient whose second-order terms would be lost."""
+def test_double_backward_keeps_the_second_order_term():
+    """Eager records the gradient's history under create_graph=True; so does aotgrad's
+    differentiable backward (higher_order.py; more in test_higher_order.py)."""
     x = torch.randn(5, requires_grad=True)
     cf = aot_function(lambda x: x.sin().sum(), nop)
-    with pytest.raises(aotgrad.AotgradError, match="create_graph"):
-        torch.autograd.grad(cf(x), x, create_graph=True)
+    (g,) = torch.autograd.grad(cf(x), x, create_graph=True)
+    torch.testing.assert_close(g, x.cos())
+    (h,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(h, -x.sin())
     (g,) = torch.autograd.grad(cf(x), x)  # first order is fine
     torch.testing.assert_close(g, x.cos())
 

@@ -31,6 +31,7 @@ from .decompositions import default_decompositions
 from .errors import (
     AotgradError,
     BackwardMutationError,
+    HigherOrderError,
     InplaceOnLeafError,
     UnsupportedAliasingError,
     UnsupportedInputError,
@@ -45,6 +46,7 @@ __all__ = [
     "AOTModule",
     "AotgradError",
     "BackwardMutationError",
+    "HigherOrderError",
     "BackwardSignature",
     "GraphSignature",
     "CompiledFunction",

@@ -76,6 +76,7 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
         compiled = compile_training(
             captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals,
             keep_input_mutations=config.keep_inference_input_mutations,
+            make_compiled=lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)),
         )
     else:
         compiled = compile_inference(captured, config.inference_compiler, primals)

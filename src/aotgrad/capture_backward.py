@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 from . import ambient, analysis
 from .capture_state import BACKWARD_MUTATION, _Forward, _last_node, _recorder
 from .errors import AotgradError, BackwardMutationError, UnsupportedMutationError
+from .higher_order import tag_saved_unpacks
 from .plan import InputMutation
 from .tracer import LeanTracer
 
@@ -45,6 +46,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     counts = [analysis.mutation_count(b) for b in bases]
     metas = [analysis.meta_of(analysis.unwrap(b)) for b in bases]
     grads_wrt: Sequence = ()
+    last_forward = _last_node()
     if diff and wrt:
         # Traced with autocast off: eager's backward is cast by the state in force when it runs,
         # which the run time checks (ambient.py).
@@ -66,6 +68,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
                     "a multi-output op (chunk, split) or after detach_(). Use out-of-place ops there."
                 ) from e
     _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun)
+    tag_saved_unpacks(last_forward.graph, last_forward)  # for higher-order gradients (higher_order.py)
     grads: list = [None] * len(funs)
     for k, g in zip(wrt, grads_wrt):
         grads[k] = analysis.unwrap(g) if g is not None else None

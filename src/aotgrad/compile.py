@@ -21,11 +21,14 @@ import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from . import ambient, observe
+from .capture_inputs import _primal_name
 from .compilers import boxed, naming, takes_functional_graphs
+from .higher_order import HigherOrder, pristine_copy
 from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
 from .reinplace import reinplace
+from .tracer import GRAD_MODE_RECORDED
 
 
 @dataclass
@@ -47,6 +50,7 @@ class CompiledForward:
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
+    higher_order: HigherOrder | None = None  # the differentiable backward (higher_order.py)
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)
@@ -111,13 +115,18 @@ def compile_training(
     example_primals: Sequence[Any],
     *,
     keep_input_mutations: bool = False,
+    make_compiled: Callable | None = None,
 ) -> CompiledForward:
+    """`make_compiled(fn)`: an aotgrad compiled function of `fn` with this signature's configuration,
+    for the differentiable backward of higher-order gradients (none without it)."""
     plan = captured.plan
     computed_from = _computed_from(captured.graph, plan.num_fw_outputs)
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
     with observe.stage("partition", getattr(partition_fn, "__name__", "")):
         fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
     observe.log_graph("backward", bw_module)
+    # Copied before anything below or a compiler changes them in place.
+    pristine = (pristine_copy(fw_module), pristine_copy(bw_module)) if make_compiled is not None else None
     gradient_from = _gradient_from(bw_module, captured.num_tangents)
     # Any epilogue action on an input would invalidate a saved view of it.
     changed = _with_storage_sharers(plan.primals_changed_after_forward, example_primals)
@@ -143,6 +152,13 @@ def compile_training(
         bw_compiler=bw_compiler,
         aot_id=aot_id,
     )
+    if pristine is not None:
+        mutated = sorted(plan.primals_changed_after_forward | in_place)
+        compiled.higher_order = HigherOrder(
+            *pristine, plan.num_fw_outputs, num_tensors,
+            mutated={k: _primal_name(plan.layout, k) for k in mutated}, make_compiled=make_compiled,
+            grad_mode_recorded=bool(captured.graph.meta.get(GRAD_MODE_RECORDED)),
+        )
     example_cotangents = _symbolic_placeholder_values(bw_module)
     if example_cotangents is not None:
         # A compiler may specialise a symbolic size (add a guard on it). Guards are only checked if

@@ -39,3 +39,7 @@ class DataDependentError(AotgradError):
 
 class CompilerError(AotgradError):
     """A graph compiler broke its contract (e.g. returned None instead of a callable)."""
+
+
+class HigherOrderError(AotgradError):
+    """A higher-order gradient (`create_graph=True`) aotgrad cannot give exactly."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 
 from .fuzz_check import KINDS, Outcome, check_program, explain, normalize
 from .fuzz_programs import NoGrad, Program, Stmt, generate, materialize, view_expr
@@ -67,6 +68,7 @@ def run(
     progress: Progress | None = None,
     start: int = 0,
     backend: str | None = None,
+    check_fn: Callable | None = None,
 ) -> Summary:
     """Generate and check programs `start .. start+n-1` of run `seed` (through `torch.compile` with
     `backend`, if given).
@@ -76,7 +78,7 @@ def run(
     """
     summary = Summary(seed)
     shrunk_keys: Counter = Counter()
-    check = functools.partial(check_program, backend=backend)
+    check = functools.partial(check_fn or check_program, backend=backend)  # check_fn: e.g. fuzz_order2's
     for k, i in enumerate(range(start, start + n)):
         prog = generate(seed, i)
         out = check(prog)

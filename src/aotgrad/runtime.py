@@ -144,6 +144,9 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         fw.emit(f"ctx.save_for_backward(*outs[{n_out}:{n_out + n_t}])")
     if n_o:
         fw.emit(f"ctx.saved_other = outs[{n_out + n_t}:{n_out + n_t + n_o}]")
+    higher = compiled.higher_order
+    if higher is not None:  # for a differentiable backward (higher_order.py); one reference, no copy
+        fw.emit("ctx.primals = primals")
     outs = [f"o{i}" for i in range(n_out)]
     fw.emit(f"{_tuple_src(outs)} = outs[:{n_out}]")
     names = [f"primals[{k}]" for k in range(plan.layout.num_primals)]
@@ -188,6 +191,9 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # backward's peak memory is then what the graph needs, not that plus every saved activation.
     if n_t:
         bw.emit("ctx.maybe_clear_saved_tensors()")
+    if higher is not None:  # a first-order backward that frees the graph frees the inputs too
+        bw.emit(f"if not {bw.bind('keep_graph', torch._C._autograd._get_current_graph_task_keep_graph)}():")
+        bw.emit("ctx.primals = None", 2)
     if unreached:
         bw.emit(f"grads_in = list({run_bw})")
         for tangents, primals in unreached.items():
@@ -199,11 +205,16 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     else:
         bw.emit(f"return tuple({run_bw})")
     backward = bw.build("backward", "def backward(ctx, *grads):")
+    differentiable = None
+    if higher is not None:
+        traced = placeholder_values(compiled.bw_module)
+        tangent_meta = [(v.dtype, v.device) for v in traced[len(traced) - len(diff):]]
+        differentiable = higher.bind(diff, unreached, tangent_meta)
 
     return type(
         "CompiledFunction",
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward))},
+        {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward, differentiable))},
     )
 
 
@@ -240,26 +251,30 @@ def _scattered_into(gm: torch.fx.GraphModule) -> set[int]:
             if n.args and n.args[0] in placeholders}
 
 
-def _guarded_backward(backward: Callable) -> Callable:
+def _guarded_backward(backward: Callable, differentiable: Callable | None) -> Callable:
     """The backward as autograd calls it, refusing what it cannot do and explaining what it refuses.
 
-    - The compiled backward graph is not differentiable. Under `create_graph=True` eager would
-      record its gradients' history; refuse rather than return gradients with none (a gradient
-      penalty built on them would silently lose its second-order term).
+    - The compiled backward graph is not differentiable. Under `create_graph=True` (grad mode on)
+      eager records its gradients' history: run `differentiable` instead (higher_order.py), or,
+      without one, refuse rather than return gradients with none (a gradient penalty built on them
+      would silently lose its second-order term).
     - A saved tensor modified in place since the forward (an output, a view of one, an input):
       autograd's version check fails. Eager checks a saved tensor only when the gradient reaches
       the node that saved it; this one node computes the gradients of all of the graph's outputs,
       so it fails whenever any of them gets a gradient. Say so, and what to do."""
 
     def wrapper(ctx, *grads):
+        run = backward
         if torch.is_grad_enabled():
-            raise AotgradError(
-                "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled "
-                "function: its compiled backward graph is not differentiable. Run this function eagerly "
-                "where you need higher-order gradients, or call backward without create_graph."
-            )
+            if differentiable is None:
+                raise AotgradError(
+                    "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled "
+                    "function: its compiled backward graph is not differentiable. Run this function eagerly "
+                    "where you need higher-order gradients, or call backward without create_graph."
+                )
+            run = differentiable
         try:
-            return backward(ctx, *grads)
+            return run(ctx, *grads)
         except RuntimeError as e:
             if isinstance(e, AotgradError) or "modified by an inplace operation" not in str(e):
                 raise

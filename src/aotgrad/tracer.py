@@ -112,6 +112,8 @@ class LeanTracer(TorchDispatchMode):
         )
         if self.first_op is None:
             self.first_op = node
+        if not torch.is_grad_enabled():  # under no_grad, or in a custom Function's forward (higher_order.py)
+            node.meta[NO_GRAD] = True
         node.meta["val"] = out
         node.meta["original_aten"] = self.original_op or target
         if isinstance(out, torch.Tensor):
@@ -160,7 +162,9 @@ class LeanTracer(TorchDispatchMode):
     def finish(self, outputs: list) -> torch.fx.GraphModule:
         self.graph.output([self._arg(o) if isinstance(o, torch.Tensor) else o for o in outputs])
         # Lazy: a joint graph is only read by the partitioner; its Python code is written on demand.
-        return _LazyGraphModule(self.root, self.graph)
+        gm = _LazyGraphModule(self.root, self.graph)
+        gm.meta[GRAD_MODE_RECORDED] = True
+        return gm
 
 
 class _NodeLookup:
@@ -170,6 +174,10 @@ class _NodeLookup:
     def __getitem__(self, t: torch.Tensor) -> SimpleNamespace:
         return SimpleNamespace(proxy=SimpleNamespace(node=self.nodes[id(t)]))
 
+
+# Meta keys: a node recorded with grad mode off; a graph whose nodes carry that key.
+NO_GRAD = "aotgrad_no_grad"
+GRAD_MODE_RECORDED = "aotgrad_grad_mode_recorded"
 
 _METADATA_OPS = {
     torch.ops.aten.sym_size.int,

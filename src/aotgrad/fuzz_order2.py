@@ -1,0 +1,121 @@
+"""Second-order fuzzing: the fuzzer's programs, differentiated twice (`scripts/fuzz.py --order 2`).
+
+For each generated program (fuzz.py), eagerly and compiled (the second compiled call takes the
+cached path): a loss over the outputs, its gradient with `create_graph=True` with respect to every
+leaf input requiring grad, then the gradient of a loss over those gradients. First-order values,
+the first gradients and the second gradients must match eager. A second-order gradient eager leaves
+None (nothing connects it) counts as zeros: the differentiable backward connects every gradient
+to the compiled function's inputs, and gives zeros there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .fuzz_check import Outcome, _compile, _first_line, _quiet, _refusal_in, normalize
+from .fuzz_programs import Program, materialize
+from .testing import _assert_close, _coarsest_float, _leaves_requiring_grad, _loss_term, _tensors
+
+# Second derivatives in float32 go through more rounding than the first: looser than torch's default.
+_FLOAT32 = (1e-4, 1e-4)
+
+
+def second_order(fn, make_inputs) -> dict[str, Any] | None:
+    """Outputs, first and second gradients of `fn` on fresh inputs (None: nothing to differentiate)."""
+    roots, args = make_inputs()
+    out = fn(*args)
+    flat = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+    diff = [x for x in flat if x.requires_grad]
+    diff += [x for x in _tensors(args) if x.requires_grad and not x.is_leaf and x.grad_fn is not None]
+    wrt = _leaves_requiring_grad((roots, args))
+    if not diff or not wrt:
+        return None
+    loss = sum(_loss_term(x) for x in diff)
+    if not loss.requires_grad:
+        return None
+    first = torch.autograd.grad(loss, wrt, create_graph=True, allow_unused=True)
+    terms = [_loss_term(g * g) for g in first if g is not None and g.requires_grad]
+    second: tuple = (None,) * len(wrt)
+    if terms:
+        total = sum(terms)
+        if total.requires_grad:
+            second = torch.autograd.grad(total, wrt, allow_unused=True)
+
+    def zeros(gs):
+        return [g.detach() if g is not None else torch.zeros_like(w) for g, w in zip(gs, wrt)]
+
+    return {
+        "outputs": [x.detach() for x in flat],
+        "first": zeros(first),
+        "second": zeros(second),
+        "coarsest": _coarsest_float(_tensors((roots, args))),
+    }
+
+
+def _compare(ref: dict | None, got: dict | None) -> None:
+    if (ref is None) != (got is None):
+        raise AssertionError(f"eager differentiates {ref is not None}, compiled {got is not None}")
+    if ref is None:
+        return
+    coarsest = ref["coarsest"]
+    for what in ("outputs", "first", "second"):
+        if len(ref[what]) != len(got[what]):
+            raise AssertionError(f"{what}: eager has {len(ref[what])}, compiled {len(got[what])}")
+        for i, (a, b) in enumerate(zip(ref[what], got[what])):
+            real = a.real.dtype if a.is_complex() else a.dtype
+            if what == "second" and torch.float32 in (real, coarsest):
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    raise AssertionError(f"second-order grad {i}: eager {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+                rtol, atol = _FLOAT32
+                torch.testing.assert_close(b, a, rtol=rtol, atol=atol, equal_nan=True,
+                                           msg=lambda m, i=i: f"second-order grad {i}: {m}")
+            else:
+                _assert_close(a, b, f"{what} {i}", coarsest)
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def check_program(prog: Program, *, eager_checked: bool = False, explain_mismatch: bool = True,
+                  backend: str | None = None) -> Outcome:
+    """`fuzz.check_program`'s contract, for second-order gradients."""
+    with _quiet():
+        try:
+            f, make_inputs = materialize(prog)
+            ref = second_order(f, make_inputs)
+            _compare(ref, second_order(f, make_inputs))  # eager agrees with itself
+        except Exception as e:
+            return Outcome("skipped", "eager", repr(e))
+        finally:
+            torch.set_grad_enabled(True)
+        if ref is None:
+            return Outcome("skipped", "nothing to differentiate")
+        call = 0
+        try:
+            compiled = _compile(f, prog, backend)
+            for call in range(2):  # noqa: B007 - `call` is read in the handlers
+                got = second_order(compiled, make_inputs)
+                try:
+                    _compare(ref, got)
+                except AssertionError as e:
+                    raise _Mismatch(str(e)) from e
+        except _Mismatch as e:
+            where = "" if call == 0 else "[2nd call] "
+            msg = _first_line(e)
+            return Outcome("mismatched", where + normalize(msg), where + msg + "\n" + str(e))
+        except Exception as e:
+            refusal = _refusal_in(e)
+            if refusal is not None:
+                return Outcome("refused", f"{type(refusal).__name__}: {normalize(_first_line(refusal))}", str(refusal))
+            import traceback
+
+            where = "" if call == 0 else "[2nd call] "
+            return Outcome("crashed", where + f"{type(e).__name__}: {normalize(_first_line(e))}",
+                           where + f"{type(e).__name__}: {e}", traceback.format_exc())
+        finally:
+            torch.set_grad_enabled(True)
+    return Outcome("matched")
