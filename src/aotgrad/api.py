@@ -70,7 +70,8 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
         except NeedsTraining:  # called under no_grad, but the program turned grad mode on
             training = True
             layout, captured = _capture_merging_aliases(fn, leaves, spec, training, config)
-    observe.log_graph("joint" if training else "inference", captured.graph)
+    if training:  # an inference graph is logged as it goes to its compiler
+        observe.log_graph("joint", captured.graph)
     primals = inputs_stage.primal_values(layout, leaves)
     if training:
         compiled = compile_training(
