@@ -80,7 +80,9 @@ __all__ = [
 from . import config  # noqa: E402
 from .backend import BackendCompileError, aotgrad_backend, aotgrad_eager, backend  # noqa: E402
 
-__all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "config"]
+from .cache import cache_stats, clear_cache  # noqa: E402
+
+__all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "cache_stats", "clear_cache", "config"]
 
 # Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
 # (residuals.py).

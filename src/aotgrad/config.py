@@ -23,7 +23,12 @@ symbolic_shapes: bool = True
 # joint-graph passes on aotgrad's joint/inference graph (as upstream's Inductor pipeline does).
 inductor_graph_passes: bool = True
 
-_NAMES = ("fallback_to_eager", "symbolic_shapes", "inductor_graph_passes")
+# Backend path only: keep compiled graphs in an on-disk cache (cache.py) under Inductor's cache
+# dir, so a new process compiling the same graph skips capture and partitioning. The environment
+# variable AOTGRAD_CACHE=0 turns it off too.
+cache: bool = True
+
+_NAMES = ("fallback_to_eager", "symbolic_shapes", "inductor_graph_passes", "cache")
 
 
 @contextlib.contextmanager
