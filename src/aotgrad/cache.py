@@ -22,18 +22,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import pickle
 import shutil
 import stat
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from . import config
 from .cache_key import FORMAT, Uncacheable, aotgrad_version, backend_key, digest, graph_key, torch_version
-from .cache_serialize import Recorder, make_entry, rebuild
+from .cache_serialize import Recorder, dumps, loads, make_entry, rebuild
 
 log = logging.getLogger("aotgrad.cache")
 
@@ -42,7 +40,13 @@ _STATS = {"hits": 0, "misses": 0, "uncacheable": 0, "stores": 0, "corrupt": 0}
 
 
 def enabled() -> bool:
-    return bool(config.cache) and os.environ.get("AOTGRAD_CACHE", "1").strip().lower() not in ("0", "false", "off")
+    """On unless `aotgrad.config.cache` is False, `AOTGRAD_CACHE=0`, or torch's
+    `torch.compiler.config.force_disable_caches` (which turns off every compile cache) is set."""
+    if not config.cache or os.environ.get("AOTGRAD_CACHE", "1").strip().lower() in ("0", "false", "off"):
+        return False
+    from torch._inductor import config as inductor_config
+
+    return not inductor_config.force_disable_caches
 
 
 def cache_dir() -> str:
@@ -199,16 +203,14 @@ def _decode(data: bytes):
     checksum, _, payload = rest.partition(b"\n")
     if hashlib.sha256(payload).hexdigest().encode() != checksum:
         raise ValueError("content hash mismatch (truncated or edited)")
-    with warnings.catch_warnings():  # unpickling a TreeSpec warns about LeafSpec (torch's own code)
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        return pickle.loads(payload)
+    return loads(payload)
 
 
 def _store(key: str, entry) -> None:
     path = _path(key)
     if not _dirs_safe(path, create=True):
         return
-    payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = dumps(entry)
     data = _MAGIC + _header() + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".bin")
     try:

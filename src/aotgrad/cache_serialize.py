@@ -152,10 +152,7 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         except Exception as e:  # noqa: BLE001
             raise Uncacheable(f"the backward graph cannot be serialized ({type(e).__name__}: {e})") from e
     try:
-        plan_bytes = pickle.dumps(run.plan)
-        with warnings.catch_warnings():  # unpickling a TreeSpec warns about LeafSpec (torch's own code)
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-            pickle.loads(plan_bytes)
+        loads(dumps(run.plan))
     except Exception as e:  # noqa: BLE001
         raise Uncacheable(f"the plan cannot be pickled ({type(e).__name__}: {e})") from e
     return Entry(
@@ -171,6 +168,37 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         computed_from=tuple(compiled.computed_from),
         gradient_from=tuple(compiled.gradient_from),
     )
+
+
+class _Pickler(pickle.Pickler):
+    """pickle, with aten ops (the plan's view steps) written by name."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op, (obj._schema.name, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return _op, (obj._qualified_op_name, None)
+        return NotImplemented
+
+
+def _op(qualified: str, overload: str | None):
+    namespace, name = qualified.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload or "default")
+
+
+def dumps(obj: Any) -> bytes:
+    import io
+
+    with io.BytesIO() as f:
+        _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return f.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    with warnings.catch_warnings():  # unpickling a TreeSpec warns about LeafSpec (torch's own code)
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+        return pickle.loads(data)
 
 
 def rebuild(entry: Entry, leaves: list, config: Any) -> Callable:
