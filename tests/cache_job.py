@@ -17,16 +17,17 @@ import sys
 import torch
 
 
-def workload(model, g, x, a, b, small=False):
+def workload(model, g, x, a, b, small=False, backend=None):
     if small:  # only g: one training graph
         loss, view = g(a, b)
         loss.backward()
         return {"loss": loss.detach(), "view": view.detach().clone(), "view_is_alias": view._base is a,
                 "a_grad": a.grad, "b": b.clone()}
-    out = model(x)
+    call = model if backend is None else torch.compile(model, backend=backend)
+    out = call(x)
     out.sum().backward()
     with torch.no_grad():
-        inf = model(x * 2)
+        inf = call(x * 2)
     loss, view = g(a, b)
     loss.backward()
     return {
@@ -66,9 +67,12 @@ def main(backend: str, out_path: str, small: bool = False) -> None:
     api._capture = counting
     model, x, a, b = inputs()
     eager = workload(copy.deepcopy(model), g, x, a.detach().clone().requires_grad_(), b.clone(), small)
-    compiled = workload(torch.compile(model, backend=backend), torch.compile(g, backend=backend), x, a, b, small)
-    torch.save({"eager": eager, "compiled": compiled, "stats": aotgrad.cache_stats(), "captures": captures[0]},
-               out_path)
+    compiled = workload(model, torch.compile(g, backend=backend), x, a, b, small, backend)
+    from torch._dynamo.utils import counters
+
+    fx = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    torch.save({"eager": eager, "compiled": compiled, "stats": aotgrad.cache_stats(), "captures": captures[0],
+                "fx": fx}, out_path)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,6 @@ __all__ = [
 # import ...` (sys.modules), which is how the `torch_dynamo_backends` entry points load it.
 from . import config  # noqa: E402
 from .backend import BackendCompileError, aotgrad_backend, aotgrad_eager, backend  # noqa: E402
-
 from .cache import cache_stats, clear_cache  # noqa: E402
 
 __all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "cache_stats", "clear_cache", "config"]

@@ -30,7 +30,6 @@ class Entry:
     training: bool
     forward: bytes  # the forward/inference graph as its compiler got it
     backward: bytes | None
-    meta: dict  # fw/bw GraphModule.meta entries aotgrad set (plain values)
     num_fw_outputs: int
     num_saved_tensors: int
     num_saved_other: int
@@ -109,8 +108,9 @@ def load_graph(data: bytes, fake_mode) -> torch.fx.GraphModule:
 
 @functools.lru_cache(maxsize=1)
 def _pickler() -> type:
-    """torch.fx's GraphPickler, also for fake values that are views: their base's description
-    keeps the fake mode, which cannot be pickled (the unpickler sets the loading mode on it)."""
+    """torch.fx's GraphPickler, also for fake values that are views (their base's description
+    keeps the fake mode, which cannot be pickled; the unpickler sets the loading mode on it) or have
+    a `.grad` (left out)."""
     import dataclasses
 
     from torch._subclasses.fake_tensor import FakeTensor
@@ -124,15 +124,11 @@ def _pickler() -> type:
                 base = getattr(data.metadata, "base", None)
                 if base is not None and base.fake_mode is not None:
                     data.metadata = dataclasses.replace(data.metadata, base=dataclasses.replace(base, fake_mode=None))
+                if getattr(data.metadata, "grad", None) is not None:  # a parameter's .grad: no compiler reads it
+                    data.metadata = dataclasses.replace(data.metadata, grad=None)
             return out
 
     return Pickler
-
-
-def _plain(v: Any) -> bool:
-    if isinstance(v, (tuple, list)):
-        return all(_plain(x) for x in v)
-    return isinstance(v, _PLAIN)
 
 
 def make_entry(run: Any, recorder: Recorder) -> Entry:
@@ -160,7 +156,6 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         training=training,
         forward=recorder.forward,
         backward=backward,
-        meta={},
         num_fw_outputs=compiled.num_fw_outputs,
         num_saved_tensors=compiled.num_saved_tensors,
         num_saved_other=compiled.num_saved_other,
