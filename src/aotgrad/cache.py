@@ -85,10 +85,14 @@ class Probe:
 
     def compile(self, backend: Any, compile_signature: Callable, fn, leaves: list, spec, aot_config) -> Callable:
         try:
-            key = digest((self.parts, backend_key(backend)))
+            backend_parts = backend_key(backend)
         except Uncacheable as e:
             _uncacheable(str(e))
             return compile_signature(fn, leaves, spec, aot_config)
+        key = digest((self.parts, backend_parts))
+        if log.isEnabledFor(logging.DEBUG):  # which part changed, when a key unexpectedly misses
+            log.debug("aotgrad cache: key %s: %s", key[:16],
+                      ", ".join(f"{name}={digest(value)[:8]}" for name, value in (*self.parts, *backend_parts)))
         entry = _load(key)
         if entry is not None:
             try:
