@@ -202,6 +202,16 @@ def test_cache_off(tmp_path, cached, monkeypatch):
     assert _entries(tmp_path) == [] and aotgrad.cache_stats() == dict.fromkeys(aotgrad.cache_stats(), 0)
 
 
+def test_clear_cache(tmp_path, cached):
+    cached(tmp_path)
+    _compile_f()
+    assert len(_entries(tmp_path)) == 1
+    aotgrad.clear_cache()
+    assert _entries(tmp_path) == []
+    _compile_f()
+    assert aotgrad.cache_stats()["hits"] == 0 and len(_entries(tmp_path)) == 1
+
+
 def test_folder_others_can_write_is_refused(tmp_path, cached, caplog):
     cached(tmp_path)
     _compile_f()

@@ -116,8 +116,8 @@ class Probe:
             _store(key, make_entry(run, recorder))
         except Uncacheable as e:
             _uncacheable(str(e))
-        except OSError as e:
-            log.warning("aotgrad cache: could not write entry %s (%s)", key[:16], e)
+        except Exception as e:  # noqa: BLE001 - a failed store must never break a compile
+            log.warning("aotgrad cache: could not write entry %s (%s: %s)", key[:16], type(e).__name__, e)
         return run
 
 
