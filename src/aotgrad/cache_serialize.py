@@ -62,7 +62,7 @@ class Recorder:
 
 def dump_graph(gm: torch.fx.GraphModule) -> bytes:
     """`gm` (nodes, fake values, meta) as bytes. Left out, and restored on `gm` after: meta entries
-    that do not pickle (the backward's link to its forward module) and the `shape_env` attribute
+    that do not pickle and the `shape_env` attribute
     (a load gets the loading compile's). Inductor's FX-graph cache keys on the module's class name,
     attributes and meta, so they come back as they were."""
     dropped = {k: v for k, v in gm.meta.items() if not _picklable(v)}
@@ -202,7 +202,7 @@ def rebuild(entry: Entry, leaves: list, config: Any) -> Callable:
     from torch._guards import detect_fake_mode
 
     from .backend_context import _context_fake_mode
-    from .backend_inductor import _FWD_OF_BWD
+    from .backend_inductor import link_backward
     from .compile import CompiledForward, _aot_ids
     from .compilers import boxed, naming
     from .inputs import primal_values
@@ -219,7 +219,7 @@ def rebuild(entry: Entry, leaves: list, config: Any) -> Callable:
     aot_id = next(_aot_ids)
     if entry.training:
         bw = load_graph(entry.backward, fake_mode)
-        bw.meta[_FWD_OF_BWD] = fw
+        link_backward(bw, fw)
         with naming("forward", aot_id):
             forward = boxed(config.fw_compiler(fw, list(primals)))
         compiled = CompiledForward(
