@@ -96,6 +96,8 @@ def measure(row: str, repeats: int) -> dict:
                 out[b]["checks"].append(got["check"])
                 if b == "aotgrad" and rep > 0 and got["aotgrad_cache"]["misses"]:
                     out[b]["notes"] = "aotgrad cache missed on a warm run"
+                elif rep > 0 and got["fx"].get("fxgraph_cache_miss"):
+                    out[b]["notes"] = f"Inductor's FX-graph cache missed on a warm {b} run"
     finally:
         for f in folders.values():
             shutil.rmtree(f, ignore_errors=True)
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         wa, wu = statistics.median(a["warm"]), statistics.median(u["warm"])
         same = all(abs(c - a["checks"][0]) <= 1e-6 * max(1.0, abs(c)) for c in a["checks"])
-        notes = "; ".join(n for n in (a["notes"], "" if same else "aotgrad warm result differs from cold") if n)
+        notes = "; ".join(n for n in (a["notes"], u["notes"], "" if same else "aotgrad warm result differs from cold")
+                          if n)
         verdict &= wa / wu <= TARGET and same
         table_rows.append([row, f"{wa:.1f}", f"{wu:.1f}", fmt_ratio(wa / wu), f"{a['cold']:.1f}", f"{u['cold']:.1f}",
                            fmt_ratio(a["cold"] / u["cold"]), notes or "ok"])
