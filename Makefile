@@ -6,9 +6,15 @@ PYTEST := $(BIN)/python -m pytest
 N ?= 2000
 SEED ?= 0
 
-.PHONY: install demo demo-small test test-long bench lint fuzz clean
+.PHONY: install browser demo demo-small test test-long bench lint fuzz explain-demo clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed browser
+
+# Headless Chromium for the explain page's browser test (tests/test_explain_browser.py; under
+# CI=true the test fails without it). Installing needs root; elsewhere a warning, and the test skips.
+browser:
+	@command -v chromium-headless-shell >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium-headless-shell) \
+		|| echo "warning: could not install chromium-headless-shell (not root?); the browser test will skip"
 
 # torch==2.13.0 first: it is the CPU build on these machines; the package's own range then
 # installs nothing more (no CUDA wheels).
@@ -36,6 +42,10 @@ bench: install
 
 fuzz: install
 	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED)
+
+# The README's screenshot of an aotgrad.explain page: docs/explain.png, taken by headless Chromium.
+explain-demo: install
+	$(BIN)/python scripts/explain_screenshot.py --out docs/explain.png
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples scripts

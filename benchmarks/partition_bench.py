@@ -25,7 +25,13 @@ without one cheap value saved on top) finds. Checks (printed PASS/FAIL):
   1. aotgrad min-cut saved bytes <= upstream min-cut on every model, with no more recomputed mm/conv;
   2. the sweep is monotone: saved bytes never grow as the budget falls.
 
-Usage: python benchmarks/partition_bench.py [--only mlp,cnn_bn] [--json PATH]
+Every model is measured twice: on the aten graph as traced (no decompositions), and with Inductor's
+decomposition table (`torch._inductor.decomposition.select_decomp_table()`, what
+`torch.compile(backend="aotgrad")` traces with) handed to both aotgrad and upstream; the second set
+of rows is labelled "<model>+inductor". The sweep also reports, per model, the largest distance
+|achieved - budget| from a requested point.
+
+Usage: python benchmarks/partition_bench.py [--only mlp,cnn_bn] [--decompositions none,inductor] [--json PATH]
 From run_all.py: `import partition_bench; ok, lines, results = partition_bench.run(log=log)` prints both
 tables and returns the two summary lines; `partition_bench.to_json(results)` gives the raw data.
 """
@@ -111,7 +117,7 @@ def _eager(bm: BenchModel) -> tuple[Measure, tuple]:
 
 
 def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, partition_fn: Callable,
-              reference) -> Measure:
+              reference, decompositions: dict | None = None) -> Measure:
     from aotgrad.partition_mincut import INFO_KEY
     from aotgrad.partition_ops import op_class, tensor_nbytes
 
@@ -138,9 +144,10 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
 
     try:
         if bm.is_function:
-            compiled = aot_function(bm.function, fw_compiler, bw_compiler, partition_fn=part)
+            compiled = aot_function(bm.function, fw_compiler, bw_compiler, partition_fn=part,
+                                    decompositions=decompositions)
         else:
-            compiled = aot_module(mod, fw_compiler, bw_compiler, partition_fn=part)
+            compiled = aot_module(mod, fw_compiler, bw_compiler, partition_fn=part, decompositions=decompositions)
         out, state = _step(mod, compiled, inputs)
         m.mismatch = compare(reference[0], out) or compare(reference[1], state)
         counter = _SavedCounter()
@@ -196,12 +203,24 @@ def _exhaustive(joint, num_fwd_outputs: int, requested: int, max_items: int = 6)
     return f"{len(found)} distinct sizes over {1 << len(items)}x{len(cheap) + 1} plans: nearest {frac[0]} / {frac[1]}"
 
 
-def measure_model(bm: BenchModel, budgets=BUDGETS) -> ModelResult:
+DECOMPOSITIONS = ("none", "inductor")
+
+
+def _decomposition_table(name: str) -> dict | None:
+    if name == "none":
+        return None
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+def measure_model(bm: BenchModel, budgets=BUDGETS, decompositions: str = "none") -> ModelResult:
     import functorch.compile as upstream
 
     import aotgrad
 
-    res = ModelResult(bm.name)
+    decomps = _decomposition_table(decompositions)
+    res = ModelResult(bm.name if decompositions == "none" else f"{bm.name}+{decompositions}")
     res.sides["eager"], reference = _eager(bm)
     sides = {
         "aotgrad default": (aotgrad, aotgrad.default_partition),
@@ -210,9 +229,10 @@ def measure_model(bm: BenchModel, budgets=BUDGETS) -> ModelResult:
         "upstream min-cut": (upstream, upstream.min_cut_rematerialization_partition),
     }
     for name, (impl, pf) in sides.items():
-        res.sides[name] = _compiled(bm, impl.aot_function, impl.aot_module, pf, reference)
+        res.sides[name] = _compiled(bm, impl.aot_function, impl.aot_module, pf, reference, decomps)
     for b in budgets:
-        res.sweep[b] = _compiled(bm, aotgrad.aot_function, aotgrad.aot_module, aotgrad.mincut_partitioner(b), reference)
+        res.sweep[b] = _compiled(bm, aotgrad.aot_function, aotgrad.aot_module, aotgrad.mincut_partitioner(b), reference,
+                                 decomps)
     return res
 
 
@@ -265,15 +285,17 @@ def report_sweep(results: list[ModelResult]) -> tuple[bool, str]:
     print("== 2. Memory budget sweep, aotgrad min-cut (saved KiB at run time; achieved = where the saved bytes land "
           "between budget 0 (0.00) and budget 1 (1.00)) ==")
     budgets = list(results[0].sweep) if results else list(BUDGETS)
-    headers = ["model"] + [f"b={b:g}" for b in budgets] + ["monotone", "within 5%"]
+    headers = ["model"] + [f"b={b:g}" for b in budgets] + ["monotone", "within 5%", "max |ach-b|"]
     rows = []
     ok = True
     off_target = []
+    distances: list[str] = []
     total_within = total_points = 0
     for r in results:
         cells = [r.model]
         bytes_seq = []
         within = 0
+        distance = None
         for b in budgets:
             m = r.sweep[b]
             if m.error or m.mismatch:
@@ -282,6 +304,8 @@ def report_sweep(results: list[ModelResult]) -> tuple[bool, str]:
                 continue
             bytes_seq.append(m.saved_bytes)
             within += bool(m.on_target)
+            if m.achieved is not None and r.sweep[budgets[0]].saved_bytes != r.sweep[budgets[-1]].saved_bytes:
+                distance = max(distance or 0.0, abs(m.achieved - b))  # none where budgets 0 and 1 agree
             if m.on_target is False:
                 off_target.append((r.model, b, m))
             span = r.sweep[budgets[0]].saved_bytes != r.sweep[budgets[-1]].saved_bytes
@@ -290,7 +314,8 @@ def report_sweep(results: list[ModelResult]) -> tuple[bool, str]:
             cells.append(f"{_kib(m.saved_bytes)} ({ach}, {m.recomputed_mm}mm){star}")
         mono = all(x >= y for x, y in zip(bytes_seq, bytes_seq[1:]))
         ok &= mono
-        cells += ["yes" if mono else "NO", f"{within}/{len(budgets)}"]
+        cells += ["yes" if mono else "NO", f"{within}/{len(budgets)}", "-" if distance is None else f"{distance:.2f}"]
+        distances.append(f"{r.model} {'-' if distance is None else f'{distance:.2f}'}")
         total_within += within
         total_points += len(budgets)
         rows.append(cells)
@@ -308,21 +333,24 @@ def report_sweep(results: list[ModelResult]) -> tuple[bool, str]:
         print("   (+0.38); cnn_bn: every activation is a multiple of 32 KiB = 1/7 of the range, so 0.5 sits between 3/7 and 4/7.")
     line = f"budget sweep monotone (saved bytes never grow as the budget falls): {'PASS' if ok else 'FAIL'}"
     line += f" | within 5% of the request on {total_within}/{total_points} points"
+    line += " | largest |achieved - budget|: " + ", ".join(distances)
     if off_target:
         line += " | nearest plan taken: " + ", ".join(f"{mdl}@{b:g}->{m.achieved:.2f}" for mdl, b, m in off_target)
     return ok, line
 
 
-def run(only: list[str] | None = None, log: Callable[[str], None] | None = None) -> tuple[bool, list[str], list[ModelResult]]:
+def run(only: list[str] | None = None, log: Callable[[str], None] | None = None,
+        decompositions: tuple[str, ...] = DECOMPOSITIONS) -> tuple[bool, list[str], list[ModelResult]]:
     """Measure, print both tables; return (all checks pass, summary lines, raw results)."""
     warnings.filterwarnings("ignore")
     results = []
-    for bm in BENCH_MODELS:
-        if only and bm.name not in only:
-            continue
-        if log:
-            log(f"partition_bench: {bm.name}")
-        results.append(measure_model(bm))
+    for decomps in decompositions:
+        for bm in BENCH_MODELS:
+            if only and bm.name not in only:
+                continue
+            if log:
+                log(f"partition_bench: {bm.name} (decompositions: {decomps})")
+            results.append(measure_model(bm, decompositions=decomps))
     ok1, line1 = report_sides(results)
     ok2, line2 = report_sweep(results)
     return ok1 and ok2, [line1, line2], results
@@ -331,11 +359,14 @@ def run(only: list[str] | None = None, log: Callable[[str], None] | None = None)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None)
+    p.add_argument("--decompositions", type=lambda s: tuple(x for x in s.split(",") if x), default=DECOMPOSITIONS,
+                   help="none (aten graph as traced), inductor (Inductor's table), or both (default)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
     start = time.perf_counter()
     print(f"partitioners: aotgrad vs upstream functorch.compile | torch {torch.__version__}")
-    _ok, lines, results = run(args.only, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    _ok, lines, results = run(args.only, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                              decompositions=args.decompositions)
     print()
     print("== Summary ==")
     for i, line in enumerate(lines, 1):

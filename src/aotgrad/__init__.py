@@ -38,6 +38,7 @@ from .errors import (
     UnsupportedOutputError,
 )
 from .export import BackwardSignature, GraphSignature, aot_export_joint_simple, aot_export_module
+from .observe import compile_times
 from .partition import default_partition
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "UnsupportedMutationError",
     "UnsupportedOutputError",
     "aot_export_joint_simple",
+    "compile_times",
     "aot_export_module",
     "aot_function",
     "aot_module",
@@ -84,7 +86,9 @@ from .cache import cache_stats, clear_cache  # noqa: E402
 __all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "cache_stats", "clear_cache", "config"]
 
 # Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
-# (residuals.py).
+# (residuals.py); what compilation did, as text and HTML (explain_report.py; CLI: python -m aotgrad.explain).
+from .explain_report import Report as ExplainReport  # noqa: E402
+from .explain_report import explain  # noqa: E402
 from .partition_mincut import (  # noqa: E402
     POLICIES,
     PartitionInfo,
@@ -103,8 +107,10 @@ from .residuals import ResidualReport, saved_residuals, saved_residuals_module  
 __all__ += [
     "POLICIES",
     "PartitionInfo",
+    "ExplainReport",
     "ResidualReport",
     "checkpoint_name",
+    "explain",
     "min_cut_rematerialization_partition",
     "mincut_partitioner",
     "recompute_names",

@@ -8,22 +8,34 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+from . import config as config_module
+from . import guards, lifting, observe
 from . import inputs as inputs_stage
 from .capture import capture
 from .capture_state import NeedsSyntheticBase
 from .compile import compile_inference, compile_training
+from .errors import DataDependentError
 from .interpreter_stack import on_roomy_stack
+from .module_state import ModuleState
 from .partition import default_partition
 from .plan import symbols_in
 from .runtime import build_runner
+
+log = logging.getLogger("aotgrad.api")
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class AOTConfig:
     num_params_buffers: int
     keep_inference_input_mutations: bool
     dynamic: bool
+    enable_log: bool = True
 
 
 def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
@@ -53,11 +66,13 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
     )
     groups = inputs_stage.storage_groups(leaves)
     layout = inputs_stage.layout_for(leaves, spec)
-    try:
-        captured = _capture(fn, layout, leaves, training, config, groups)
-    except NeedsSyntheticBase as merge:
-        layout = inputs_stage.layout_for(leaves, spec, merge_groups=merge.groups)
-        captured = _capture(fn, layout, leaves, training, config, ())
+    with observe.stage("capture", getattr(fn, "__qualname__", "")):
+        try:
+            captured = _capture(fn, layout, leaves, training, config, groups)
+        except NeedsSyntheticBase as merge:
+            layout = inputs_stage.layout_for(leaves, spec, merge_groups=merge.groups)
+            captured = _capture(fn, layout, leaves, training, config, ())
+    observe.log_graph("joint" if training else "inference", captured.graph)
     primals = inputs_stage.primal_values(layout, leaves)
     if training:
         compiled = compile_training(
@@ -67,6 +82,9 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
     else:
         compiled = compile_inference(captured, config.inference_compiler, primals)
     plan = captured.plan
+    # The caller's non-tensor arguments were needed for the trace only; the signature holds what it
+    # read off them (guards.py), so the cache must not keep them alive.
+    plan = replace(plan, layout=replace(plan.layout, constants=dict.fromkeys(plan.layout.constants)))
     symbols = symbols_in(plan)
     if symbols:  # dynamic sizes in view arguments or restrides: read them off the inputs per call
         plan = replace(plan, symbol_sources=inputs_stage.symbol_sources(leaves, symbols))
@@ -88,16 +106,29 @@ def _capture(fn, layout, leaves, training, config, groups):
 
 
 class CompiledFunction:
-    """What `aot_function` returns: a cache from input signature to generated run-time code."""
+    """What `aot_function` returns: a cache from input signature to generated run-time code.
+
+    Tensors the function reaches without being passed them and that require grad are lifted
+    (lifting.py): found during a trace, they become leading arguments of every later call, so their
+    current values are read and their gradients computed. Past `config.recompile_limit` signatures
+    it warns once, naming what keeps changing; past `config.recompile_hard_limit` new signatures run
+    eagerly."""
 
     def __init__(self, fn: Callable, config: AOTConfig):
         self.fn = fn
         self.config = config
         self.cache: dict[tuple, Callable] = {}
         self.fast: list[tuple[Callable, Callable]] = []  # (guard, run) for flat positional calls
+        self.lifted: tuple[torch.Tensor, ...] = ()  # closed-over tensors requiring grad, passed first
+        self.recompiles: list[str] = []  # why each signature after the first was compiled
+        self._warned: set[str] = set()
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
+        if self.lifted:
+            if not self._lifted_in_place():  # a closure or global rebound to another tensor
+                self._relift()
+            args = (*self.lifted, *args)
         if not kwargs:
             for guard, run in self.fast:
                 if guard(args):
@@ -109,12 +140,102 @@ class CompiledFunction:
         key = inputs_stage.signature(leaves, spec)
         run = self.cache.get(key)
         if run is None:
-            run = compile_signature(self.fn, leaves, spec, self.config)
-            self.cache[key] = run
-            guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
-            if guard is not None:
-                self.fast.insert(0, (guard, run))
+            if len(self.cache) >= max(1, config_module.recompile_hard_limit):
+                return self._run_eagerly(args, kwargs)
+            try:
+                run = self._compile(leaves, spec, key, args, kwargs)
+            except lifting.NeedsLifting as found:
+                self._lift(found.tensors)
+                return self(*args[len(self.lifted) - len(found.tensors):], **kwargs)
         return run(leaves)
+
+    def _compile(self, leaves: list, spec, key: tuple, args: tuple, kwargs: dict) -> Callable:
+        previous = next(reversed(self.cache), None)
+        fn = lifting.with_lifted(self.fn, self.lifted)
+        with observe.graph_logging(self.config.enable_log):
+            try:
+                run = compile_signature(fn, leaves, spec, self.config)
+            except DATA_DEPENDENT as e:
+                raise _data_dependent_error(e) from e
+        if previous is not None:
+            self._note_recompile(previous, key, args, kwargs)
+        self.cache[key] = run
+        guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
+        if guard is not None:
+            self.fast.insert(0, (guard, run))
+        for ref in guards.weak_parts(key):  # forget the entry when the object it was keyed on dies
+            weakref.finalize(ref(), _forget, weakref.ref(self), key)
+        return run
+
+    def _lift(self, tensors: list[torch.Tensor]) -> None:
+        log.debug("aotgrad: lifting closed-over tensors that require grad to inputs of %s: %s",
+                  getattr(self.fn, "__qualname__", self.fn), lifting.describe(tensors))
+        self.lifted = (*self.lifted, *tensors)
+        self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
+        self.cache.clear()  # earlier entries take fewer leading arguments
+        self.fast.clear()
+
+    def _relift(self) -> None:
+        """Pass the tensors now found where the lifted ones were; when one is gone or no longer
+        requires grad, forget the lifting (the next trace finds what to lift again)."""
+        current = self._read_lifted()
+        if lifting.still_liftable(current):
+            self.lifted = tuple(current)  # same signature parts: compiled entries stay valid
+            self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
+        else:
+            self.lifted = ()
+            self.cache.clear()
+            self.fast.clear()
+
+    def _note_recompile(self, previous: tuple, key: tuple, args: tuple, kwargs: dict) -> None:
+        names = guards.leaf_names(args, kwargs, len(self.lifted))
+        reason = guards.recompile_reason(previous, key, names)
+        self.recompiles.append(reason)
+        observe.log_recompile(self.fn, reason)
+        limit = config_module.recompile_limit
+        if len(self.cache) + 1 > limit and "limit" not in self._warned:
+            self._warned.add("limit")
+            parts = Counter(p for r in self.recompiles for p in guards.part_names(r))
+            common = ", ".join(f"{p} ({n}x)" for p, n in parts.most_common(3))
+            warnings.warn(
+                f"aotgrad: {getattr(self.fn, '__qualname__', self.fn)} has been compiled for {len(self.cache) + 1} "
+                f"input signatures (aotgrad.config.recompile_limit = {limit}); what keeps changing: {common}. "
+                f"Latest: {reason}. Keep it fixed (pass a changing number as a tensor), or raise the limit.",
+                stacklevel=4,
+            )
+
+    def _run_eagerly(self, args: tuple, kwargs: dict):
+        if "hard" not in self._warned:
+            self._warned.add("hard")
+            warnings.warn(
+                f"aotgrad: {getattr(self.fn, '__qualname__', self.fn)} reached "
+                f"aotgrad.config.recompile_hard_limit = {config_module.recompile_hard_limit} signatures; "
+                "new signatures now run eagerly (compiled ones keep running compiled).",
+                stacklevel=4,
+            )
+        return self.fn(*args[len(self.lifted):], **kwargs)
+
+
+def _forget(ref: weakref.ref, key: tuple) -> None:
+    compiled = ref()
+    if compiled is None:
+        return
+    run = compiled.cache.pop(key, None)
+    compiled.fast = [(g, r) for g, r in compiled.fast if r is not run]
+
+
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+_OP_NAMES = {"aten._local_scalar_dense.default": ".item() (or int()/float()/bool() of a tensor)"}
+
+
+def _data_dependent_error(e: Exception) -> DataDependentError:
+    op = str(getattr(e, "func", "") or "") or str(e).splitlines()[0]
+    shown = _OP_NAMES.get(op, op)
+    return DataDependentError(
+        f"aotgrad: the program calls {shown}, whose result depends on the values of a tensor; aot_function "
+        "traces one graph with sizes and Python values known ahead of time. Use torch.compile(fn, "
+        "backend=\"aotgrad\"), which splits the graph at such ops, or move the op out of the compiled function."
+    )
 
 
 def _plan_depends_on_aliasing(plan) -> bool:
@@ -150,6 +271,7 @@ def aot_function(
         num_params_buffers=num_params_buffers,
         keep_inference_input_mutations=keep_inference_input_mutations,
         dynamic=dynamic,
+        enable_log=enable_log,
     )
     return CompiledFunction(fn, config)
 
@@ -166,16 +288,21 @@ def _functional_call(mod: nn.Module, names: list[str], num: int):
 
 
 class AOTModule(nn.Module):
-    """What `aot_module` returns: calls the compiled function with the module's parameters and buffers."""
+    """What `aot_module` returns: calls the compiled function with the module's parameters and buffers
+    (read again, and recompiled for, when the module's state changes: module_state.py)."""
 
-    def __init__(self, mod: nn.Module, compiled: CompiledFunction, state: list[torch.Tensor]):
+    def __init__(self, mod: nn.Module, state: ModuleState):
         super().__init__()
         self.orig_module = mod
-        self._compiled = compiled
-        self._state = state
+        self._module_state = state
+
+    @property
+    def _compiled(self) -> CompiledFunction:
+        return self._module_state.current()[0]
 
     def forward(self, *args, **kwargs):
-        return self._compiled(*self._state, *args, **kwargs)
+        compiled, state = self._module_state.current()
+        return compiled(*state, *args, **kwargs)
 
 
 def _named_state(mod: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
@@ -186,10 +313,12 @@ def _named_state(mod: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
 def aot_module(mod: nn.Module, *args, **kwargs) -> nn.Module:
     """`aot_function` for modules: parameters and buffers become graph inputs, so gradients land in
     `param.grad` and buffer updates (e.g. BatchNorm running stats) in the module's buffers."""
-    names, state = _named_state(mod)
-    kwargs["num_params_buffers"] = len(state)
-    compiled = aot_function(_functional_call(mod, names, len(state)), *args, **kwargs)
-    return AOTModule(mod, compiled, state)
+
+    def make(names: list[str]) -> CompiledFunction:
+        return aot_function(_functional_call(mod, names, len(names)), *args,
+                            **{**kwargs, "num_params_buffers": len(names)})
+
+    return AOTModule(mod, ModuleState(mod, _named_state, make))
 
 
 compiled_module = aot_module
@@ -211,19 +340,23 @@ def aot_module_simplified(
 ) -> Callable:
     """The form `torch.compile` backends use: parameters and buffers lifted to graph inputs; the
     returned callable takes only the user inputs (flat list semantics, like the FX graph)."""
-    names, state = _named_state(mod)
-    compiled = aot_function(
-        _functional_call(mod, names, len(state)),
-        fw_compiler,
-        bw_compiler,
-        partition_fn,
-        decompositions,
-        num_params_buffers=len(state),
-        keep_inference_input_mutations=keep_inference_input_mutations,
-        inference_compiler=inference_compiler,
-    )
+
+    def make(names: list[str]) -> CompiledFunction:
+        return aot_function(
+            _functional_call(mod, names, len(names)),
+            fw_compiler,
+            bw_compiler,
+            partition_fn,
+            decompositions,
+            num_params_buffers=len(names),
+            keep_inference_input_mutations=keep_inference_input_mutations,
+            inference_compiler=inference_compiler,
+        )
+
+    module_state = ModuleState(mod, _named_state, make)
 
     def forward(*runtime_args):
+        compiled, state = module_state.current()
         return compiled(*state, *runtime_args)
 
     forward.zero_grad = mod.zero_grad

@@ -181,6 +181,10 @@ class AotgradBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         chosen = self._with_compile_options(example_inputs, **kwargs)
+        if config.explain_dir:  # one report per graph (explain_compile.py); never fails the compile
+            from .explain_compile import explain_graph
+
+            explain_graph(gm, example_inputs, chosen, config.explain_dir)
         try:
             with chosen._inductor_patches():
                 return on_roomy_stack(chosen._compile, gm, list(example_inputs))
@@ -233,6 +237,9 @@ class AotgradBackend:
 
     def _partition_fn(self) -> Callable:
         part = self.partition_fn or _default_partitioner()
+        torch_budget = config.torch_activation_memory_budget()  # set by the user, as upstream honours it
+        if self.memory_budget is None and torch_budget is not None and _takes(part, "memory_budget"):
+            return functools.partial(part, memory_budget=torch_budget)
         if self.memory_budget is not None:
             if not _takes(part, "memory_budget"):
                 raise TypeError(

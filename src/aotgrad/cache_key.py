@@ -27,6 +27,9 @@ from . import config
 
 FORMAT = 1  # bump when what an entry holds changes
 
+# aotgrad options that do not change what the backend compiles (reports, the aot_function path).
+_CONFIG_NOT_IN_KEY = frozenset({"cache", "explain_dir", "recompile_limit", "recompile_hard_limit"})
+
 
 class Uncacheable(Exception):
     """The key cannot be computed; the message says why (logged with the miss)."""
@@ -65,7 +68,7 @@ def graph_key(backend: Any, gm: torch.fx.GraphModule, example_inputs: Sequence[A
         ("inputs", _inputs_parts(list(state) + list(example_inputs))),
         ("dynamic", _symbolic_placeholders(gm)),
         ("global", _global_state()),
-        ("config", tuple((n, getattr(config, n)) for n in config._NAMES if n != "cache")),
+        ("config", tuple((n, getattr(config, n)) for n in config._NAMES if n not in _CONFIG_NOT_IN_KEY)),
     )
 
 
@@ -76,6 +79,7 @@ def backend_key(backend: Any) -> tuple:
         ("use_inductor", backend.use_inductor),
         ("keep_inference_input_mutations", backend.keep_inference_input_mutations),
         ("memory_budget", backend.memory_budget),
+        ("torch_memory_budget", _torch_memory_budget()),
         ("partition", _identity(backend.partition_fn, "partition_fn") if backend.partition_fn else "default"),
     ]
     if backend.use_inductor:
@@ -99,6 +103,13 @@ def backend_key(backend: Any) -> tuple:
         decomps = backend.decompositions or {}
     parts.append(("decompositions", _decomps_digest(decomps)))
     return tuple(parts)
+
+
+def _torch_memory_budget() -> float:
+    """`torch._functorch.config.activation_memory_budget`: the backend's partitioner honours it."""
+    import torch._functorch.config as functorch_config
+
+    return float(functorch_config.activation_memory_budget)
 
 
 # -- the Dynamo graph ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from . import observe
 from .compilers import boxed, naming, takes_functional_graphs
 from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
@@ -61,7 +62,8 @@ class CompiledForward:
         if not takes_functional_graphs(self.bw_compiler):
             reinplace(self.bw_module)
         with naming("backward", self.aot_id):
-            return boxed(self.bw_compiler(self.bw_module, example_inputs))
+            return boxed(observe.call_compiler("backward", self.bw_compiler, self.bw_module, example_inputs,
+                                               log=False))
 
 
 _aot_ids = itertools.count()
@@ -74,7 +76,7 @@ def compile_inference(captured: Captured, compiler: Callable, example_primals: S
     in_place = _reinplace_for(compiler, gm, captured.plan)
     aot_id = next(_aot_ids)
     with naming("inference", aot_id):
-        compiled = boxed(compiler(gm, list(example_primals)))
+        compiled = boxed(observe.call_compiler("inference", compiler, gm, list(example_primals)))
     return CompiledForward(compiled, gm, captured.plan.num_fw_outputs, written_in_place=in_place, aot_id=aot_id)
 
 
@@ -90,7 +92,9 @@ def compile_training(
     plan = captured.plan
     computed_from = _computed_from(captured.graph, plan.num_fw_outputs)
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
-    fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
+    with observe.stage("partition", getattr(partition_fn, "__name__", "")):
+        fw_module, bw_module = partition_fn(captured.graph, joint_inputs, num_fwd_outputs=plan.num_fw_outputs)
+    observe.log_graph("backward", bw_module)
     gradient_from = _gradient_from(bw_module, captured.num_tangents)
     # Any epilogue action on an input would invalidate a saved view of it.
     changed = _with_storage_sharers(plan.primals_changed_after_forward, example_primals)
@@ -102,7 +106,7 @@ def compile_training(
         in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
     aot_id = next(_aot_ids)
     with naming("forward", aot_id):
-        forward = boxed(fw_compiler(fw_module, list(example_primals)))
+        forward = boxed(observe.call_compiler("forward", fw_compiler, fw_module, list(example_primals)))
     compiled = CompiledForward(
         forward,
         fw_module,

@@ -31,3 +31,11 @@ class BackwardMutationError(UnsupportedMutationError):
 
 class InplaceOnLeafError(UnsupportedMutationError):
     """Mirrors eager's refusal to mutate a leaf that requires grad."""
+
+
+class DataDependentError(AotgradError):
+    """An op whose result (a Python scalar, or an output size) depends on tensor values."""
+
+
+class CompilerError(AotgradError):
+    """A graph compiler broke its contract (e.g. returned None instead of a callable)."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .fuzz_closures import maybe_close_over
+
 
 @dataclass(frozen=True)
 class Stmt:
@@ -576,4 +578,5 @@ def generate(seed: int, index: int = 0) -> Program:
     config: tuple = ()
     if rng.random() < 0.3:
         config = (("keep_inference_input_mutations", True),)
-    return dataclasses.replace(prog, body=tuple(gen.body), returns=returns, single=single, config=config)
+    prog = dataclasses.replace(prog, body=tuple(gen.body), returns=returns, single=single, config=config)
+    return maybe_close_over(pseed, prog, Stmt)

@@ -2,8 +2,8 @@
 
 A compiled graph is only valid for arguments like the ones it was traced with. `signature` is the
 cache key: for each tensor its type, shape, strides, offset, dtype, device, `requires_grad`,
-leaf-ness and which other arguments share its storage; for each non-tensor its value; plus grad
-mode. Anything else changes the key, so a graph that no longer fits is never reused.
+leaf-ness and which other arguments share its storage; for each non-tensor its value, identity (held
+weakly) or attribute snapshot (guards.py); plus grad mode. Anything else changes the key, so a graph that no longer fits is never reused.
 
 `layout_for` decides the graph inputs ("primals"): one per distinct tensor (duplicates collapse), or
 one *synthetic base* per group of arguments that view one storage when the program mutates them,
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import guards
 from .errors import UnsupportedAliasingError, UnsupportedInputError
 from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
 
@@ -41,7 +42,7 @@ storage_id = getattr(torch._C, "_storage_id", _storage_id_via_object)
 def _constant_key(v: Any) -> Any:
     if isinstance(v, _HASHABLE_CONSTANTS):
         return (type(v), v)
-    return (type(v), id(v))
+    return guards.constant_key(v)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -238,8 +239,7 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
             scope[f"_C{i}"] = x
             conds += [f"type({v}) is _T{i}", f"{v} == _C{i}"]
         else:
-            scope[f"_C{i}"] = x
-            conds.append(f"{v} is _C{i}")
+            conds += guards.guard_condition(x, v, i, scope)
     if check_aliasing:
         scope["_AK"] = alias_key(leaves)
         conds.append("_alias_key(args) == _AK")

@@ -21,6 +21,7 @@ The report is a `ResidualReport`; `str(report)` is the plain-text table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
@@ -84,6 +85,11 @@ class ResidualReport:
     fw_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     bw_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     inference: bool = False  # nothing required grad: one inference graph, nothing saved
+    # For aotgrad.explain: the compiled signature's plan, a name per flat caller argument, and the
+    # joint graph the partitioner split (None for an inference graph).
+    plan: Any = field(default=None, repr=False)
+    leaf_names: list[str] = field(default_factory=list, repr=False)
+    joint: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     @property
     def saved_tensors(self) -> list[Residual]:
@@ -216,6 +222,10 @@ class _SourceRecorder(TorchFunctionMode):
             code = frame.f_code
             if user is None and _is_user_file(code.co_filename):
                 user = frame
+            elif user is None and code.co_filename.startswith("<eval_with_key"):
+                found = _graph_module_source(frame)  # a Dynamo graph: its node knows the user's line
+                if found is not None:
+                    return found
             if not module and code.co_name == "forward" and code.co_argcount and not code.co_filename.startswith(_OWN_DIR):
                 owner = frame.f_locals.get(code.co_varnames[0])
                 if isinstance(owner, nn.Module):
@@ -230,6 +240,55 @@ class _SourceRecorder(TorchFunctionMode):
             return ("", module) if module else None
         summary = traceback.FrameSummary(user.f_code.co_filename, user.f_lineno, user.f_code.co_name)
         return "".join(traceback.format_list([summary])).rstrip(), module
+
+
+def _graph_module_source(frame) -> tuple[str, str] | None:
+    """The stack trace and module path that a GraphModule's node (Dynamo's graphs carry them) holds
+    for the line of its generated code this frame is at."""
+    gm = frame.f_locals.get("self")
+    lines = getattr(gm, "_lineno_map", None)
+    if not isinstance(gm, torch.fx.GraphModule) or not lines:
+        return None
+    index = lines.get(frame.f_lineno - getattr(gm, "_prologue_start", 0))
+    nodes = list(gm.graph.nodes)
+    if index is None or index >= len(nodes):
+        return None
+    meta = nodes[index].meta
+    stack = meta.get("nn_module_stack") or {}
+    module = ""
+    if stack:
+        path, cls = list(stack.values())[-1]
+        module = f"{_fqn(path)} ({getattr(cls, '__name__', str(cls).rsplit('.', 1)[-1])})"
+    trace = meta.get("stack_trace") or ""
+    return (trace, module) if trace or module else None
+
+
+def _fqn(dynamo_path: str, drop_root: bool = True) -> str:
+    """`L['self']._modules['h']._modules['0']` -> `h.0`: Dynamo's source names as module paths
+    (`drop_root`: the first name is the module itself, `self`)."""
+    keys = re.findall(r"\['([^']*)'\]|\.([A-Za-z_]\w*)", dynamo_path)
+    parts = [a or b for a, b in keys]
+    if drop_root and len(parts) > 1:
+        parts = parts[1:]
+    parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or dynamo_path
+
+
+def _dynamo_inputs(gm: torch.fx.GraphModule) -> list[tuple[str, str]] | None:
+    """(name, kind) of a Dynamo graph's inputs from their sources (`l1.weight`, "param"; `x`, "arg");
+    None if the graph is not Dynamo's."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        arg = n.meta.get("grapharg")
+        source = getattr(getattr(arg, "source", None), "name", None)
+        if source is None:
+            return None
+        source = source() if callable(source) else source
+        kind = "param" if "_parameters" in source else "buffer" if "_buffers" in source else "arg"
+        out.append((_fqn(source, drop_root=any(k in source for k in ("_modules", "_parameters", "_buffers"))), kind))
+    return out
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n\s*(.*))?')
@@ -283,14 +342,29 @@ class _SavedCounter:
 
 
 def _clone_tree(tree: Any) -> Any:
+    """Copies of the tensors in `tree` that alias and track gradients as the originals do: one copy
+    per distinct tensor, a view is the same view of its base's copy (so inputs sharing a storage
+    still share one, and aotgrad's plan for them - a synthetic base - is the one reported), and a
+    non-leaf that requires grad stays a non-leaf."""
     memo: dict[int, torch.Tensor] = {}
 
     def clone(x):
         if not isinstance(x, torch.Tensor):
             return x
-        if id(x) not in memo:
-            memo[id(x)] = x.detach().clone().requires_grad_(x.requires_grad)
-        return memo[id(x)]
+        if id(x) in memo:
+            return memo[id(x)]
+        base = x._base
+        if base is not None and x.layout is torch.strided and not base.is_sparse:
+            b = clone(base)
+            grad = contextlib.nullcontext() if x.requires_grad or not b.requires_grad else torch.no_grad()
+            with grad:
+                out = b.as_strided(x.size(), x.stride(), x.storage_offset())
+        else:
+            out = x.detach().clone()
+            if x.requires_grad:
+                out = out.requires_grad_() if x.is_leaf else out.requires_grad_().clone()
+        memo[id(x)] = out
+        return out
 
     return pytree.tree_map(clone, tree)
 
@@ -345,7 +419,7 @@ def _build_report(run, leaf_names, partitioner, runtime: _SavedCounter, eager: _
     bw = compiled.bw_module
     if bw is None:  # inference graph: nothing is saved
         return ResidualReport(partitioner, [], [], 0, runtime.nbytes, runtime.count, eager.nbytes, eager.count, fw, None,
-                              inference=True)
+                              inference=True, plan=plan, leaf_names=list(leaf_names))
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
     saved = list(fw.graph.output_node().args[0])[compiled.num_fw_outputs :]
     residuals = []
@@ -374,7 +448,7 @@ def _build_report(run, leaf_names, partitioner, runtime: _SavedCounter, eager: _
         if n.op == "call_function" and n.name in fw_ops
     ]
     return ResidualReport(partitioner, residuals, recomputed, total, runtime.nbytes, runtime.count,
-                          eager.nbytes, eager.count, fw, bw)
+                          eager.nbytes, eager.count, fw, bw, plan=plan, leaf_names=list(leaf_names))
 
 
 def _partitioner_name(partition_fn) -> str:
@@ -386,6 +460,81 @@ def _partitioner_name(partition_fn) -> str:
         kw = ", ".join(f"{k}={getattr(v, '__name__', None) or repr(v)}" for k, v in partition_fn.keywords.items())
         return f"{getattr(partition_fn.func, '__name__', 'partition')}({kw})"
     return repr(partition_fn)
+
+
+class _CatchJoint:
+    """Wraps a partitioner to keep the joint graph it was handed (for explain's budget curve)."""
+
+    def __init__(self, partition_fn: Callable):
+        self.partition_fn = partition_fn
+        self.joint: torch.fx.GraphModule | None = None
+        self.num_fwd_outputs = 0
+
+    def __call__(self, joint, joint_inputs, **kwargs):
+        self.joint, self.num_fwd_outputs = joint, kwargs.get("num_fwd_outputs", 0)
+        return self.partition_fn(joint, joint_inputs, **kwargs)
+
+
+@dataclass
+class Program:
+    """A program made ready for reporting: an aot-compiled copy (nop compilers), an eager copy, and
+    the caller's arguments (cloned afresh for each run, so neither copy sees the other's mutations)."""
+
+    compiled: Callable
+    eager: Callable
+    args: tuple
+    kwargs: dict
+    leaf_names: list[str]
+    leaf_kinds: list[str]  # per flat argument: "param", "buffer" or "arg"
+    partition_fn: Callable | None
+    catcher: _CatchJoint
+    module_names: dict[int, str] | None = None
+    eager_state: list = field(default_factory=list)  # the eager module's parameters and buffers
+    compiled_state: list = field(default_factory=list)
+
+    def fresh_args(self) -> tuple[tuple, dict]:
+        return _clone_tree((self.args, self.kwargs))
+
+
+def prepare(fn: Callable, args: tuple, kwargs: dict, partition_fn: Callable | None = None,
+            decompositions: dict | None = None) -> Program:
+    """Compile `fn` (a function, or an nn.Module lifted as `aot_module` lifts it: parameters and
+    buffers become graph inputs that keep `requires_grad`) with the nop compiler, on copies."""
+    from .api import _named_state, aot_function, aot_module
+    from .compilers import nop
+    from .partition import default_partition
+
+    catcher = _CatchJoint(partition_fn or default_partition)
+    if not isinstance(fn, nn.Module):
+        cf = aot_function(fn, nop, decompositions=decompositions, partition_fn=catcher)
+        names = _leaf_names_for_function(fn, args, kwargs)
+        kinds = ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
+        return Program(cf, fn, args, kwargs, names, kinds, partition_fn, catcher)
+    eager_mod = copy.deepcopy(fn)
+    test_mod = copy.deepcopy(fn)
+    compiled = aot_module(test_mod, nop, decompositions=decompositions, partition_fn=catcher)
+    state_names, state = _named_state(test_mod)
+    num_params = len(list(test_mod.named_parameters(remove_duplicate=False)))
+    arg_names = _leaf_names_for_function(fn.forward, args, kwargs)
+    kinds = ["param"] * num_params + ["buffer"] * (len(state) - num_params)
+    arg_kinds = ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
+    dynamo = _dynamo_inputs(fn) if isinstance(fn, torch.fx.GraphModule) and not kwargs else None
+    if dynamo is not None and len(dynamo) == len(arg_kinds):
+        arg_names, arg_kinds = [n for n, _ in dynamo], [k for _, k in dynamo]
+    kinds += arg_kinds
+    module_names = {id(m): n for n, m in test_mod.named_modules() if n}
+    return Program(compiled, eager_mod, args, kwargs, list(state_names) + arg_names, kinds, partition_fn, catcher,
+                   module_names, _named_state(eager_mod)[1], state)
+
+
+def report_for(program: Program) -> ResidualReport:
+    """Run the program (eager, compile, measure) and build its residual report."""
+    eager_args, eager_kwargs = program.fresh_args()
+    call_args, call_kwargs = program.fresh_args()
+    rep = _report(program.compiled, call_args, call_kwargs, lambda: program.eager(*eager_args, **eager_kwargs),
+                  program.leaf_names, program.partition_fn, program.module_names)
+    rep.joint = program.catcher.joint
+    return rep
 
 
 def _report(compiled_fn, call_args: tuple, call_kwargs: dict, eager_call: Callable, leaf_names, partition_fn,
@@ -413,16 +562,9 @@ def saved_residuals(fn: Callable, *args: Any, partition_fn: Callable | None = No
 
     The program runs on copies of the arguments (three times: eager, compile, measure); the caller's
     tensors and random state are left untouched. `partition_fn` defaults to aot_function's default.
+    An nn.Module is lifted as `aot_module` lifts it (its parameters are inputs that require grad).
     """
-    from .api import aot_function
-    from .compilers import nop
-
-    extra = {} if partition_fn is None else {"partition_fn": partition_fn}
-    cf = aot_function(fn, nop, decompositions=decompositions, **extra)
-    eager_args, eager_kwargs = _clone_tree((args, kwargs))
-    call_args, call_kwargs = _clone_tree((args, kwargs))
-    names = _leaf_names_for_function(fn, args, kwargs)
-    return _report(cf, call_args, call_kwargs, lambda: fn(*eager_args, **eager_kwargs), names, partition_fn)
+    return report_for(prepare(fn, args, kwargs, partition_fn, decompositions))
 
 
 def saved_residuals_module(mod: nn.Module, *args: Any, partition_fn: Callable | None = None,
@@ -430,17 +572,4 @@ def saved_residuals_module(mod: nn.Module, *args: Any, partition_fn: Callable | 
     """`saved_residuals` for a module: parameters and buffers are graph inputs, named as in the module.
 
     Runs on deep copies of the module (buffers such as BatchNorm statistics are not updated)."""
-    from .api import _named_state, aot_module
-    from .compilers import nop
-
-    eager_mod = copy.deepcopy(mod)
-    test_mod = copy.deepcopy(mod)
-    extra = {} if partition_fn is None else {"partition_fn": partition_fn}
-    compiled = aot_module(test_mod, nop, decompositions=decompositions, **extra)
-    eager_args, eager_kwargs = _clone_tree((args, kwargs))
-    call_args, call_kwargs = _clone_tree((args, kwargs))
-    state_names, _ = _named_state(test_mod)
-    names = list(state_names) + _leaf_names_for_function(mod.forward, args, kwargs)
-    module_names = {id(m): n for n, m in test_mod.named_modules() if n}
-    return _report(compiled, call_args, call_kwargs, lambda: eager_mod(*eager_args, **eager_kwargs), names,
-                   partition_fn, module_names)
+    return report_for(prepare(mod, args, kwargs, partition_fn, decompositions))
