@@ -8,11 +8,13 @@
    process (backend_bench.py), then cold compiles each in a fresh process (cold_compile_bench.py).
 5. A force-field training step (forces = -dE/dpos inside the model, a second-order gradient)
    through torch.compile(backend="aotgrad") vs eager; target ratio <= 0.7 (force_field_bench.py).
+6. Warm start: the first training step in a fresh process whose on-disk caches an earlier process
+   filled, aotgrad vs upstream Inductor, cold numbers beside it (warm_start_bench.py).
 
 Options: --repeats N (cold compiles per model and implementation, median; default 9),
 --number N and --overhead-repeats N (timeit calls per sample and samples; default 3000 and 7),
 --only NAME[,NAME] (compile-time models), --skip-compile, --skip-overhead, --skip-partition,
---skip-backend, --skip-force-field, --skip-fresh-compile, --json PATH.
+--skip-backend, --skip-force-field, --skip-fresh-compile, --skip-warm-start, --json PATH.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip cold torch.compile times measured in fresh processes (~13 min)")
     p.add_argument("--skip-force-field", action="store_true",
                    help="skip the force-field training step (second-order gradients; ~1-2 min)")
+    p.add_argument("--skip-warm-start", action="store_true",
+                   help="skip the warm-start benchmark (fresh processes with filled caches, ~15 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -187,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         cold_compile_bench.main(["--repeats", "2"])
         cold_compile_bench.main(["--repeats", "2", "--stack", "as-called",
                                  "--rows", "mlp,transformer,cnn_bn,pointwise200"])
+    if not args.skip_warm_start:
+        import warm_start_bench
+
+        warm_start_bench.main(["--repeats", "2"])
 
     print()
     print("== Summary ==")

@@ -83,8 +83,9 @@ __all__ = [
 # import ...` (sys.modules), which is how the `torch_dynamo_backends` entry points load it.
 from . import config  # noqa: E402
 from .backend import BackendCompileError, aotgrad_backend, aotgrad_eager, backend  # noqa: E402
+from .cache import cache_stats, clear_cache  # noqa: E402
 
-__all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "config"]
+__all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "cache_stats", "clear_cache", "config"]
 
 # Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
 # (residuals.py); what compilation did, as text and HTML (explain_report.py; CLI: python -m aotgrad.explain).

@@ -59,7 +59,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from . import config
+from . import cache, config
 from .api import AOTConfig, _functional_call, _named_state, _plan_depends_on_aliasing, compile_signature
 from .backend_context import (
     BackendCompileError,
@@ -291,6 +291,7 @@ class AotgradBackend:
                 "aotgrad backend: Dynamo passed nested (tuple/dict, or list of lists) graph inputs; only "
                 "flat tensor, SymInt and scalar inputs, and lists of them, are supported."
             )
+        probe = cache.probe(self, gm, example_inputs, _named_state(gm)[1])  # before passes change gm
         fakes = _fake_inputs(gm, example_inputs)
         if self.use_inductor and config.inductor_graph_passes:
             gm = _inductor_pre_grad_passes(gm, fakes)
@@ -302,7 +303,7 @@ class AotgradBackend:
         sizes_checked = not symbolic and self._input_sizes_checkable_per_call(leaves)
         if not symbolic:
             compiler = self._without_forward_size_asserts() if sizes_checked else self
-            run = compiler._compile_now(fn, leaves, symbolic=False)
+            run = compiler._compile_now(fn, leaves, symbolic=False, probe=probe)
         elif config.symbolic_shapes:
             # A SymInt input whose symbol no tensor size carries (an int argument Dynamo made
             # dynamic) gets an "anchor": a zero-stride tensor of that size, a free view at run time,
@@ -368,9 +369,11 @@ class AotgradBackend:
             and tensor_guards_check_sizes()
         )
 
-    def _compile_now(self, fn, leaves: list, *, symbolic: bool) -> Callable:
+    def _compile_now(self, fn, leaves: list, *, symbolic: bool, probe: cache.Probe | None = None) -> Callable:
         spec = pytree.tree_flatten((tuple(leaves), {}))[1]
         with _compile_context(leaves):
+            if probe is not None:  # the on-disk cache: load, or compile and store
+                return probe.compile(self, compile_signature, fn, leaves, spec, self._aot_config(symbolic))
             return compile_signature(fn, leaves, spec, self._aot_config(symbolic))
 
 

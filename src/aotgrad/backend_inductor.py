@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -69,7 +70,15 @@ def _inductor_pre_grad_passes(gm: torch.fx.GraphModule, fakes: list) -> torch.fx
         return run_pre_grad_passes(gm, fakes)
 
 
-_FWD_OF_BWD = "aotgrad_forward_module"
+# The forward module of each backward module (its output strides restride the backward's inputs).
+# A side table, not `bw.meta`: Inductor's FX-graph cache key hashes the module's meta, and the forward
+# module there (rewritten in place by Inductor's post-grad passes when its compile missed that cache,
+# untouched when it hit) made the backward's key differ between a cold and a warm process.
+_FORWARD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def link_backward(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
+    _FORWARD_OF[bw] = fw
 _NUM_FWD = "aotgrad_num_fwd_outputs"
 _OUT_STRIDES = "aotgrad_output_strides"
 
@@ -98,7 +107,7 @@ class _InductorCompilers:
                     joint_module = _recursive_joint_graph_passes(joint_module)
             fw, bw = partition_fn(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             fw.meta[_NUM_FWD] = num_fwd_outputs
-            bw.meta[_FWD_OF_BWD] = fw
+            link_backward(bw, fw)
             return fw, bw
 
         partition.__name__ = f"inductor_joint_passes({getattr(partition_fn, '__name__', 'partition')})"
@@ -120,7 +129,7 @@ class _InductorCompilers:
         return self._compile(gm, visible=None, is_inference=True, is_backward=False)
 
     def backward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        fw = gm.meta.get(_FWD_OF_BWD)
+        fw = _FORWARD_OF.get(gm)
         if fw is not None:
             _restride_saved(gm, fw)
         return self._compile(gm, visible=None, is_inference=False, is_backward=True)

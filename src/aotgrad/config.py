@@ -31,6 +31,11 @@ inductor_graph_passes: bool = True
 # graph order, into this directory (explain_compile.py). Default: the AOTGRAD_EXPLAIN_DIR variable.
 explain_dir: str | None = os.environ.get("AOTGRAD_EXPLAIN_DIR") or None
 
+# Backend path only: keep compiled graphs in an on-disk cache (cache.py) under Inductor's cache
+# dir, so a new process compiling the same graph skips capture and partitioning. The environment
+# variable AOTGRAD_CACHE=0 turns it off too.
+cache: bool = True
+
 # aot_function / aot_module path: after this many input signatures of one compiled function, warn
 # once, naming the part of the signature that keeps changing (Dynamo's `recompile_limit` analogue).
 recompile_limit: int = 8
@@ -41,7 +46,7 @@ recompile_hard_limit: int = 64
 
 _NAMES = (
     "fallback_to_eager", "symbolic_shapes", "inductor_graph_passes", "explain_dir", "recompile_limit",
-    "recompile_hard_limit",
+    "recompile_hard_limit", "cache",
 )
 
 

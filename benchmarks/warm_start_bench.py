@@ -1,0 +1,150 @@
+"""Warm start: time to the first finished training step in a fresh process whose on-disk caches an
+earlier process filled, aotgrad+Inductor vs upstream Inductor in the same run.
+
+What a restarted job, a re-run notebook or every rank of a multi-process job pays. Per row and
+backend: a private cache folder (`TORCHINDUCTOR_CACHE_DIR`; aotgrad's cache is its `aotgrad/`
+subfolder, upstream's AOTAutograd and FX-graph caches are in it too); one fresh process compiles
+with it empty (the cold number), then `--repeats` fresh processes run with it filled (warm). Each
+child times from after its imports and model construction to the end of its first step (the
+same work for both backends), and reports aotgrad's cache counters and the loss, which must equal
+the cold run's. Backends alternate which goes first.
+
+Rows: the demo's GPT-2 (its compiled loss forward + backward, then its compiled AdamW step, as the
+demo's first step does), and the training step (forward + backward) of each model of models.py.
+
+    python benchmarks/warm_start_bench.py [--repeats 3] [--rows gpt2,mlp,transformer,cnn_bn,pointwise200]
+
+Target: warm aotgrad <= 0.8x upstream's warm time (medians), cold numbers beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+BACKENDS = ("aotgrad", "inductor")
+ROWS = ("gpt2", "mlp", "transformer", "cnn_bn", "pointwise200")
+TARGET = 0.8
+
+
+def child(backend: str, row: str) -> dict:
+    """One first training step in this (fresh) process; seconds from after setup to its end."""
+    import torch
+    from harness import sum_outputs
+
+    import aotgrad
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import backend_bench as bb
+
+    pristine, inputs = bb.all_models()[row]()
+    opt = None
+    if row == "gpt2":
+        opt = torch.optim.AdamW(pristine.parameters(), lr=torch.tensor(2e-3), weight_decay=0.1, betas=(0.9, 0.95))
+    t0 = time.perf_counter()
+    loss = sum_outputs(torch.compile(pristine, backend=backend)(*inputs))
+    loss.backward()
+    if opt is not None:
+        torch.compile(opt.step, backend=backend)()
+    seconds = time.perf_counter() - t0
+    from torch._dynamo.utils import counters
+
+    check = float(loss.detach()) + (float(sum(p.detach().sum() for p in pristine.parameters())) if opt else 0.0)
+    return {"seconds": seconds, "check": check, "aotgrad_cache": aotgrad.cache_stats(),
+            "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+            "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}}
+
+
+def run_child(backend: str, row: str, cache_dir: str) -> dict | None:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "AOTGRAD_CACHE": "1"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, row]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)
+    print(f"    {backend} {row}: failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-3:]}")
+    return None
+
+
+def measure(row: str, repeats: int) -> dict:
+    folders = {b: tempfile.mkdtemp(prefix=f"warm-{b}-") for b in BACKENDS}
+    out: dict = {b: {"cold": None, "warm": [], "checks": [], "notes": ""} for b in BACKENDS}
+    try:
+        for rep in range(repeats + 1):
+            for b in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
+                got = run_child(b, row, folders[b])
+                if got is None:
+                    continue
+                kind = "cold" if rep == 0 else "warm"
+                print(f"  {row}: {b} {kind} {got['seconds']:.2f} s  aotgrad cache {got['aotgrad_cache']} "
+                      f"fx {got['fx']} aot {got['aot']}", flush=True)
+                if rep == 0:
+                    out[b]["cold"] = got["seconds"]
+                else:
+                    out[b]["warm"].append(got["seconds"])
+                out[b]["checks"].append(got["check"])
+                if b == "aotgrad" and rep > 0 and got["aotgrad_cache"]["misses"]:
+                    out[b]["notes"] = "aotgrad cache missed on a warm run"
+                elif rep > 0 and got["fx"].get("fxgraph_cache_miss"):
+                    out[b]["notes"] = f"Inductor's FX-graph cache missed on a warm {b} run"
+    finally:
+        for f in folders.values():
+            shutil.rmtree(f, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="warm fresh-process runs per backend and row (default 3)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--child", nargs=2, metavar=("BACKEND", "ROW"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        print(json.dumps(child(*args.child)))
+        return 0
+    rows = [r for r in args.rows.split(",") if r]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        rows = [r for r in rows if r != "gpt2"]
+    from harness import fmt_ratio, table
+
+    table_rows, verdict = [], True
+    for row in rows:
+        res = measure(row, args.repeats)
+        a, u = res["aotgrad"], res["inductor"]
+        if not a["warm"] or not u["warm"] or a["cold"] is None or u["cold"] is None:
+            table_rows.append([row, "-", "-", "-", "-", "-", "-", "failed"])
+            verdict = False
+            continue
+        wa, wu = statistics.median(a["warm"]), statistics.median(u["warm"])
+        same = all(abs(c - a["checks"][0]) <= 1e-6 * max(1.0, abs(c)) for c in a["checks"])
+        notes = "; ".join(n for n in (a["notes"], u["notes"], "" if same else "aotgrad warm result differs from cold")
+                          if n)
+        verdict &= wa / wu <= TARGET and same
+        table_rows.append([row, f"{wa:.1f}", f"{wu:.1f}", fmt_ratio(wa / wu), f"{a['cold']:.1f}", f"{u['cold']:.1f}",
+                           fmt_ratio(a["cold"] / u["cold"]), notes or "ok"])
+    print()
+    print(f"== warm start: first training step in a fresh process, caches filled (median of {args.repeats}, s) ==")
+    print(table(["row", "aotgrad warm", "inductor warm", "ratio", "aotgrad cold", "inductor cold", "cold ratio",
+                 "check"], table_rows, "lrrrrrrl"))
+    print(f"target warm ratio aotgrad/upstream <= {TARGET}: {'PASS' if verdict else 'FAIL'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""A job for tests/test_cache.py, run in a fresh process: compile a small training step with
+`torch.compile(backend=...)` and record its results next to eager's and aotgrad's counters.
+
+    python tests/cache_job.py BACKEND OUT.pt [small]
+
+What it runs (with eager copies alongside): a Linear + BatchNorm + Linear model's training step
+(gradients, BatchNorm's running stats); the same model called under `no_grad` (an inference graph
+that updates the running stats in place); `g(a, b)`, which mutates `b` and returns a view of `a`.
+It counts aotgrad's captures (`api._capture`) so the test can tell a hit from a compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+
+
+def workload(model, g, x, a, b, small=False, backend=None):
+    if small:  # only g: one training graph
+        loss, view = g(a, b)
+        loss.backward()
+        return {"loss": loss.detach(), "view": view.detach().clone(), "view_is_alias": view._base is a,
+                "a_grad": a.grad, "b": b.clone()}
+    call = model if backend is None else torch.compile(model, backend=backend)
+    out = call(x)
+    out.sum().backward()
+    with torch.no_grad():
+        inf = call(x * 2)
+    loss, view = g(a, b)
+    loss.backward()
+    return {
+        "out": out.detach(), "inf": inf,
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "buffers": {n: t.clone() for n, t in model.named_buffers()},
+        "loss": loss.detach(), "view": view.detach().clone(), "view_is_alias": view._base is a,
+        "a_grad": a.grad, "b": b.clone(),
+    }
+
+
+def inputs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x = torch.randn(5, 6)
+    a = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, 3)
+    return model, x, a, b
+
+
+def g(a, b):
+    b.mul_(2)
+    return (a * b).sum(), a.t()
+
+
+def main(backend: str, out_path: str, small: bool = False) -> None:
+    import aotgrad
+    import aotgrad.api as api
+
+    captures = [0]
+    capture = api._capture
+
+    def counting(*args, **kwargs):
+        captures[0] += 1
+        return capture(*args, **kwargs)
+
+    api._capture = counting
+    model, x, a, b = inputs()
+    eager = workload(copy.deepcopy(model), g, x, a.detach().clone().requires_grad_(), b.clone(), small)
+    compiled = workload(model, torch.compile(g, backend=backend), x, a, b, small, backend)
+    from torch._dynamo.utils import counters
+
+    fx = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    torch.save({"eager": eager, "compiled": compiled, "stats": aotgrad.cache_stats(), "captures": captures[0],
+                "fx": fx}, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["small"])

@@ -1,0 +1,291 @@
+"""The on-disk cache (cache.py): a hit in a new process gives what a cold compile gives, without a
+capture; bad entries, unsafe folders and uncacheable graphs fall back to compiling.
+
+Cross-process tests run tests/cache_job.py in fresh processes (each pays torch's import); the
+others use the cache in this process, in a temporary cache folder, with `torch._dynamo.reset()`
+between compiles so the second compile goes to disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aotgrad
+from aotgrad import cache
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_job.py")
+
+
+def _env(cache_dir) -> dict:
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "AOTGRAD_CACHE": "1"}
+
+
+def _job(backend: str, cache_dir, out, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, JOB, backend, str(out), *extra], env=_env(cache_dir),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, out) -> dict:
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def _run_job(backend, cache_dir, out, *extra) -> dict:
+    return _finish(_job(backend, cache_dir, out, *extra), out)
+
+
+def _assert_same(a, b, exact: bool, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], exact, f"{where}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        if exact:
+            assert torch.equal(a, b), where
+        else:
+            torch.testing.assert_close(a, b, msg=lambda m: f"{where}: {m}")
+    else:
+        assert a == b, where
+
+
+def _entries(cache_dir) -> list[str]:
+    root = os.path.join(str(cache_dir), "aotgrad")
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _check_cross_process(backend: str, tmp_path, *extra) -> dict:
+    cold = _run_job(backend, tmp_path / "c", tmp_path / "cold.pt", *extra)
+    warm = _run_job(backend, tmp_path / "c", tmp_path / "warm.pt", *extra)
+    stored = cold["stats"]["stores"]
+    assert stored >= 1 and cold["stats"]["hits"] == 0 and cold["captures"] == stored, cold["stats"]
+    assert len(_entries(tmp_path / "c")) == stored
+    assert warm["stats"]["hits"] == stored and warm["stats"]["misses"] == 0, warm["stats"]
+    assert warm["captures"] == 0  # no trace, no partitioning: everything came from the cache
+    for run in (cold, warm):
+        _assert_same(run["compiled"], run["eager"], exact=False)
+        assert run["compiled"]["view_is_alias"]
+    _assert_same(warm["compiled"], cold["compiled"], exact=True)
+    return warm
+
+
+def test_hit_in_a_new_process_is_the_cold_compile(tmp_path):
+    """Training graph with BatchNorm, an inference graph updating BatchNorm's buffers in place, a
+    graph mutating an input and returning a view of another (aotgrad_eager)."""
+    _check_cross_process("aotgrad_eager", tmp_path)
+
+
+def test_inductor_hit_in_a_new_process(tmp_path):
+    """Inductor's compiled code comes from its own FX-graph cache: the graphs aotgrad loads hash as
+    the ones it compiled cold."""
+    warm = _check_cross_process("aotgrad", tmp_path, "small")
+    assert warm["fx"].get("fxgraph_cache_hit") == 2 and not warm["fx"].get("fxgraph_cache_miss"), warm["fx"]
+
+
+def test_two_processes_writing_the_same_entries(tmp_path, cached):
+    """Two processes compile the same graphs at once (two ranks): each either stores or hits, no
+    entry is torn, and a third compile hits every entry."""
+    jobs = [_job("aotgrad_eager", tmp_path / "c", tmp_path / f"w{i}.pt") for i in range(2)]
+    runs = [_finish(p, tmp_path / f"w{i}.pt") for i, p in enumerate(jobs)]
+    for r in runs:
+        assert r["stats"]["stores"] + r["stats"]["hits"] == 3 and r["stats"]["corrupt"] == 0, r["stats"]
+        _assert_same(r["compiled"], r["eager"], exact=False)
+    files = _entries(tmp_path / "c")
+    assert len(files) == 3 and not [f for f in files if os.path.basename(f).startswith(".tmp")]
+    cached(tmp_path / "c")
+    _workload()
+    stats = aotgrad.cache_stats()
+    assert stats["hits"] == 3 and stats["corrupt"] == 0, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# In this process
+
+
+@pytest.fixture
+def cached(monkeypatch):
+    """Turn the cache on in a given folder; counters reset; Dynamo's in-memory caches cleared."""
+
+    def use(folder):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+        monkeypatch.setenv("AOTGRAD_CACHE", "1")
+        torch._dynamo.reset()
+        aotgrad.cache_stats(reset=True)
+        cache._warned.clear()
+
+    yield use
+    torch._dynamo.reset()
+
+
+def _f(x, y):
+    y.add_(1)
+    return (x.sin() * y).sum(), x[1:]
+
+
+def _workload(backend="aotgrad_eager"):
+    from cache_job import g, inputs, workload
+
+    model, x, a, b = inputs()
+    return workload(model, torch.compile(g, backend=backend), x, a, b, backend=backend)
+
+
+def _compile_f(backend="aotgrad_eager"):
+    torch._dynamo.reset()
+    x = torch.randn(3, 4, requires_grad=True)
+    y = torch.zeros(3, 4)
+    loss, view = torch.compile(_f, backend=backend)(x, y)
+    loss.backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref_y = torch.zeros(3, 4)
+    ref_loss, ref_view = _f(ref_x, ref_y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(y, ref_y)
+    assert view._base is x and torch.equal(view, ref_view)
+
+
+def _corrupt(path: str, how: str) -> None:
+    data = open(path, "rb").read()
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "flip":
+        data = data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:]
+    elif how == "version":
+        data = data.replace(b"format=", b"format=9", 1)
+    elif how == "empty":
+        data = b""
+    open(path, "wb").write(data)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "version", "empty"])
+def test_bad_entry_is_ignored_with_one_warning_and_rewritten(tmp_path, cached, caplog, how):
+    cached(tmp_path)
+    _compile_f()
+    (path,) = _entries(tmp_path)
+    good = open(path, "rb").read()
+    _corrupt(path, how)
+    with caplog.at_level(logging.WARNING, logger="aotgrad.cache"):
+        _compile_f()
+        _compile_f()  # the same bad file again would warn again: it was rewritten instead
+    stats = aotgrad.cache_stats()
+    assert stats["corrupt"] == 1 and stats["hits"] == 1 and stats["stores"] == 2, stats
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "ignoring entry" in warnings[0].getMessage()
+    assert open(path, "rb").read() == good
+
+
+def test_other_aotgrad_version_is_a_miss(tmp_path, cached, monkeypatch):
+    cached(tmp_path)
+    _compile_f()
+    monkeypatch.setattr(cache, "aotgrad_version", lambda: "another-version")
+    monkeypatch.setattr(aotgrad.cache_key, "aotgrad_version", lambda: "another-version")
+    _compile_f()
+    stats = aotgrad.cache_stats()
+    assert stats["hits"] == 0 and stats["misses"] == 2 and stats["stores"] == 2, stats
+
+
+def test_cache_off(tmp_path, cached, monkeypatch):
+    cached(tmp_path)
+    with aotgrad.config.patch(cache=False):
+        _compile_f()
+    monkeypatch.setenv("AOTGRAD_CACHE", "0")
+    _compile_f()
+    assert _entries(tmp_path) == [] and aotgrad.cache_stats() == dict.fromkeys(aotgrad.cache_stats(), 0)
+
+
+def test_clear_cache(tmp_path, cached):
+    cached(tmp_path)
+    _compile_f()
+    assert len(_entries(tmp_path)) == 1
+    aotgrad.clear_cache()
+    assert _entries(tmp_path) == []
+    _compile_f()
+    assert aotgrad.cache_stats()["hits"] == 0 and len(_entries(tmp_path)) == 1
+
+
+def test_folder_others_can_write_is_refused(tmp_path, cached, caplog):
+    cached(tmp_path)
+    _compile_f()
+    folder = os.path.join(str(tmp_path), "aotgrad")
+    os.chmod(folder, 0o777)
+    try:
+        with caplog.at_level(logging.WARNING, logger="aotgrad.cache"):
+            _compile_f()
+    finally:
+        os.chmod(folder, 0o700)
+    stats = aotgrad.cache_stats()
+    assert stats["hits"] == 0 and stats["stores"] == 1, stats
+    assert any("writable by other users" in r.getMessage() for r in caplog.records)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+
+
+def test_key_covers_aotgrad_config(tmp_path, cached):
+    cached(tmp_path)
+    _compile_f()
+    with aotgrad.config.patch(inductor_graph_passes=False):
+        _compile_f()
+    _compile_f()
+    stats = aotgrad.cache_stats()
+    assert stats["stores"] == 2 and stats["hits"] == 1, stats
+
+
+def test_unknown_compiler_is_not_cached_and_says_why(tmp_path, cached, caplog):
+    cached(tmp_path)
+
+    def my_compiler(gm, example_inputs):
+        return gm.forward
+
+    with caplog.at_level(logging.INFO, logger="aotgrad.cache"):
+        _compile_f(aotgrad.backend(fw_compiler=my_compiler))
+    assert aotgrad.cache_stats()["uncacheable"] == 1 and _entries(tmp_path) == []
+    assert any("my_compiler" in r.getMessage() and "aotgrad_cache_key" in r.getMessage() for r in caplog.records)
+    my_compiler.aotgrad_cache_key = "my_compiler v1"  # the opt-in
+    _compile_f(aotgrad.backend(fw_compiler=my_compiler))
+    _compile_f(aotgrad.backend(fw_compiler=my_compiler))
+    stats = aotgrad.cache_stats()
+    assert stats["stores"] == 1 and stats["hits"] == 1, stats
+
+
+def test_dynamic_shapes_are_not_cached(tmp_path, cached, caplog):
+    cached(tmp_path)
+    with caplog.at_level(logging.INFO, logger="aotgrad.cache"):
+        x = torch.randn(3, 4, requires_grad=True)
+        torch.compile(lambda x: x.sin().sum(), backend="aotgrad_eager", dynamic=True)(x).backward()
+    assert aotgrad.cache_stats()["uncacheable"] == 1 and _entries(tmp_path) == []
+    assert any("dynamic shapes" in r.getMessage() for r in caplog.records)
+
+
+def test_concurrent_stores_never_show_a_torn_entry(tmp_path, cached):
+    import threading
+
+    cached(tmp_path)
+    key = "ab" * 32
+    stop = threading.Event()
+    loads: list = []
+
+    def writer(size):
+        while not stop.is_set():
+            cache._store(key, {"payload": b"x" * size})
+
+    def reader():
+        for _ in range(300):
+            loads.append(cache._load(key))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in (10, 1 << 20)]
+    for t in threads:
+        t.start()
+    reader()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert aotgrad.cache_stats()["corrupt"] == 0
+    assert all(e is None or len(e["payload"]) in (10, 1 << 20) for e in loads)
