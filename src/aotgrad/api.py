@@ -49,6 +49,7 @@ class AOTConfig:
     keep_inference_input_mutations: bool
     dynamic: bool
     enable_log: bool = True
+    disable_functionalization: bool = False  # compilers get graphs with in-place ops (inplace_graphs.py)
 
 
 def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
@@ -76,9 +77,11 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
         compiled = compile_training(
             captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals,
             keep_input_mutations=config.keep_inference_input_mutations,
+            keep_inplace=config.disable_functionalization,
         )
     else:
-        compiled = compile_inference(captured, config.inference_compiler, primals)
+        compiled = compile_inference(captured, config.inference_compiler, primals,
+                                     keep_inplace=config.disable_functionalization)
     plan = captured.plan
     # The caller's non-tensor arguments were needed for the trace only; the signature holds what it
     # read off them (guards.py), so the cache must not keep them alive.
@@ -266,13 +269,16 @@ def aot_function(
     *,
     dynamic: bool = False,
     enable_log: bool = True,
+    disable_functionalization: bool = False,
 ) -> CompiledFunction:
     """Trace `fn`'s forward and backward ahead of time and run them through the given compilers.
 
     Compiles on the first call for each input signature (shapes, strides, dtypes, requires_grad,
     aliasing, non-tensor values, grad mode); later calls with the same signature only run the
     generated run-time code. `dynamic` is accepted for compatibility: shapes are specialized and a new
-    shape recompiles (never reuses a graph that does not fit).
+    shape recompiles (never reuses a graph that does not fit). With `disable_functionalization`,
+    compilers get graphs whose out-of-place ops are made in place again where safe (upstream's
+    non-functional graphs); the trace itself stays functional, so results are the same.
     """
     config = AOTConfig(
         fw_compiler=fw_compiler,
@@ -284,6 +290,7 @@ def aot_function(
         keep_inference_input_mutations=keep_inference_input_mutations,
         dynamic=dynamic,
         enable_log=enable_log,
+        disable_functionalization=disable_functionalization,
     )
     return CompiledFunction(fn, config)
 
@@ -348,6 +355,7 @@ def aot_module_simplified(
     cudagraphs: Any = None,
     boxed_forward_device_index: Any = None,
     ignore_shape_env: bool = False,
+    disable_functionalization: bool = False,
     **_ignored,
 ) -> Callable:
     """The form `torch.compile` backends use: parameters and buffers lifted to graph inputs; the
@@ -363,6 +371,7 @@ def aot_module_simplified(
             num_params_buffers=len(names),
             keep_inference_input_mutations=keep_inference_input_mutations,
             inference_compiler=inference_compiler,
+            disable_functionalization=disable_functionalization,
         )
 
     module_state = ModuleState(mod, _named_state, make)

@@ -22,6 +22,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from . import ambient, observe
 from .compilers import boxed, naming, takes_functional_graphs
+from .inplace_graphs import keep_inplace_ops
 from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
@@ -47,6 +48,7 @@ class CompiledForward:
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
+    keep_inplace: bool = False  # disable_functionalization=True: compilers get in-place ops back
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)
@@ -62,6 +64,8 @@ class CompiledForward:
     def _compile_backward(self, example_inputs: list) -> Callable:
         if not takes_functional_graphs(self.bw_compiler):
             reinplace(self.bw_module)
+        if self.keep_inplace:
+            keep_inplace_ops(self.bw_module)
         with naming("backward", self.aot_id):
             return boxed(observe.call_compiler("backward", self.bw_compiler, self.bw_module, example_inputs,
                                                log=False))
@@ -75,6 +79,8 @@ class CompiledForward:
             gm = ambient.retrace_under_autocast(self.bw_module, key[0], args)
             if not takes_functional_graphs(self.bw_compiler):
                 reinplace(gm)
+            if self.keep_inplace:
+                keep_inplace_ops(gm)
             with naming("backward", self.aot_id):
                 compiled = boxed(on_roomy_stack(observe.call_compiler, "backward", self.bw_compiler, gm, list(args),
                                                 log=False))
@@ -92,15 +98,20 @@ def _arg_key(x: Any) -> Any:
 _aot_ids = itertools.count()
 
 
-def compile_inference(captured: Captured, compiler: Callable, example_primals: Sequence[Any]) -> CompiledForward:
+def compile_inference(
+    captured: Captured, compiler: Callable, example_primals: Sequence[Any], *, keep_inplace: bool = False
+) -> CompiledForward:
     gm = captured.graph
     if isinstance(gm, _LazyGraphModule):  # compilers get a module whose forward is the real code
         gm = torch.fx.GraphModule(gm, gm.graph)
     in_place = _reinplace_for(compiler, gm, captured.plan)
+    if keep_inplace:
+        keep_inplace_ops(gm)
     aot_id = next(_aot_ids)
     with naming("inference", aot_id):
         compiled = boxed(observe.call_compiler("inference", compiler, gm, list(example_primals)))
-    return CompiledForward(compiled, gm, captured.plan.num_fw_outputs, written_in_place=in_place, aot_id=aot_id)
+    return CompiledForward(compiled, gm, captured.plan.num_fw_outputs, written_in_place=in_place, aot_id=aot_id,
+                           keep_inplace=keep_inplace)
 
 
 def compile_training(
@@ -111,6 +122,7 @@ def compile_training(
     example_primals: Sequence[Any],
     *,
     keep_input_mutations: bool = False,
+    keep_inplace: bool = False,
 ) -> CompiledForward:
     plan = captured.plan
     computed_from = _computed_from(captured.graph, plan.num_fw_outputs)
@@ -125,6 +137,8 @@ def compile_training(
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
     in_place = _reinplace_for(fw_compiler, fw_module, plan)
+    if keep_inplace:
+        keep_inplace_ops(fw_module)
     if keep_input_mutations:
         in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
     aot_id = next(_aot_ids)
@@ -142,6 +156,7 @@ def compile_training(
         bw_module=bw_module,
         bw_compiler=bw_compiler,
         aot_id=aot_id,
+        keep_inplace=keep_inplace,
     )
     example_cotangents = _symbolic_placeholder_values(bw_module)
     if example_cotangents is not None:

@@ -1,0 +1,135 @@
+"""Parity with torch 2.13's functorch.compile surface (issue 25, items 4, 6, 9-12)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotgrad
+
+aten = torch.ops.aten
+
+
+def _recording():
+    graphs: list[torch.fx.GraphModule] = []
+
+    def compiler(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    return graphs, compiler
+
+
+def _inplace_targets(gm) -> set[str]:
+    return {
+        str(n.target) for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+    }
+
+
+def _program(x, y):
+    a = x * 2
+    a.add_(y)
+    a.relu_()
+    b = a.sin()
+    b.mul_(3)
+    y.add_(1)
+    return b
+
+
+def _eager_and_compiled(compile_fn, requires_grad=True):
+    torch.manual_seed(0)
+    x = torch.randn(5, requires_grad=requires_grad)
+    y = torch.randn(5)
+    xe, ye = x.detach().clone().requires_grad_(requires_grad), y.clone()
+    expected = _program(xe, ye)
+    got = compile_fn(_program)(x, y)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(y, ye)  # the input mutation
+    assert got.requires_grad == expected.requires_grad
+    if expected.requires_grad:
+        expected.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad)
+
+
+# ---- item 10: disable_functionalization ------------------------------------------------------
+
+
+def test_disable_functionalization_keeps_inplace_ops_training():
+    graphs, compiler = _recording()
+    _eager_and_compiled(lambda f: aotgrad.aot_function(f, compiler, disable_functionalization=True))
+    fw, bw = graphs
+    assert {"aten.add_.Tensor", "aten.relu_.default", "aten.mul_.Tensor"} <= _inplace_targets(fw)
+    assert _inplace_targets(bw), bw.code  # the backward's own temporaries are reused in place too
+    for gm in (fw, bw):  # every node still carries its fake value
+        assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+def test_disable_functionalization_keeps_inplace_ops_inference():
+    graphs, compiler = _recording()
+    with torch.no_grad():
+        _eager_and_compiled(lambda f: aotgrad.aot_function(f, compiler, disable_functionalization=True))
+    (gm,) = graphs
+    assert {"aten.add_.Tensor", "aten.relu_.default", "aten.mul_.Tensor"} <= _inplace_targets(gm)
+
+
+def test_default_graphs_stay_functional():
+    graphs, compiler = _recording()
+    _eager_and_compiled(lambda f: aotgrad.aot_function(f, compiler))
+    assert all(not _inplace_targets(gm) for gm in graphs)
+
+
+def test_disable_functionalization_never_writes_graph_inputs():
+    """The graph inputs are the caller's tensors (or saved activations): never mutated in place."""
+    graphs, compiler = _recording()
+    _eager_and_compiled(lambda f: aotgrad.aot_function(f, compiler, disable_functionalization=True))
+    for gm in graphs:
+        placeholders = set(gm.graph.find_nodes(op="placeholder"))
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and str(n.target) in _inplace_targets(gm):
+                assert n.args[0] not in placeholders, n.format_node()
+
+
+def test_disable_functionalization_keyword_on_module_entry_points():
+    mod = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    expected = mod(x)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in mod.parameters()]
+    for make in (
+        lambda c: aotgrad.aot_module(mod, c, disable_functionalization=True),
+        lambda c: aotgrad.aot_module_simplified(mod, [x], c, disable_functionalization=True),
+    ):
+        mod.zero_grad()
+        graphs, compiler = _recording()
+        out = make(compiler)(x)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        for p, g in zip(mod.parameters(), grads):
+            torch.testing.assert_close(p.grad, g)
+        assert "aten.relu_.default" in _inplace_targets(graphs[0])
+
+
+def test_disable_functionalization_with_torch_optests_checker(monkeypatch):
+    """torch's own OpInfo checker passes the keyword on every call (it raised TypeError before)."""
+    from opinfo_swap import check_with_aotgrad
+
+    x = torch.randn(3, 4, requires_grad=True)
+    for disable in (False, True):
+        check_with_aotgrad(monkeypatch, lambda t: torch.sin(t).mul_(2), (x,), {}, disable)
+
+
+@pytest.mark.long
+def test_optests_aot_autograd_check_over_op_db():
+    """torch's OpInfo checker over all of op_db, aotgrad and upstream, each with and without
+    disable_functionalization: aotgrad passes every op upstream passes."""
+    import opinfo_sweep
+    from opinfo_swap import optests_sweep, summary
+
+    results = optests_sweep(opinfo_sweep.get_op_db(), progress=print)
+    text = summary(results)
+    print(text)
+    assert "upstream passes (disable_functionalization=False): 0" in text, text
+    assert "upstream passes (disable_functionalization=True): 0" in text, text
