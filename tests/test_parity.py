@@ -133,3 +133,99 @@ def test_optests_aot_autograd_check_over_op_db():
     print(text)
     assert "upstream passes (disable_functionalization=False): 0" in text, text
     assert "upstream passes (disable_functionalization=True): 0" in text, text
+
+
+# ---- item 11: node metadata and export names ----------------------------------------------------
+
+
+def _meta_program(x, w):
+    h = torch.sin(x)  # line: sin
+    out = (h * w).sum()  # line: mul
+    return out
+
+
+def _check_graph_meta(gm, backward: bool):
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        assert "val" in n.meta, n.format_node()
+        val = n.meta["val"]
+        if isinstance(val, torch.Tensor):
+            tm = n.meta["tensor_meta"]
+            assert (tuple(tm.shape), tm.dtype, tuple(tm.stride)) == (tuple(val.shape), val.dtype, val.stride())
+        if n.op == "call_function":
+            assert bool(n.meta.get("autograd_backward")) == backward, n.format_node()
+
+
+def test_graphs_carry_val_tensor_meta_stack_trace_and_backward_marks():
+    graphs, compiler = _recording()
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    out = aotgrad.aot_function(_meta_program, compiler)(x, w)
+    out.backward()
+    fw, bw = graphs
+    _check_graph_meta(fw, backward=False)
+    _check_graph_meta(bw, backward=True)
+    by_target = {n.target: n for n in fw.graph.nodes if n.op == "call_function"}
+    assert by_target[aten.sin.default].stack_trace.rstrip().endswith("h = torch.sin(x)  # line: sin")
+    assert "in _meta_program" in by_target[aten.sin.default].stack_trace
+    assert by_target[aten.mul.Tensor].stack_trace.rstrip().endswith("# line: mul")
+    # backward nodes take their forward node's trace: cos is sin's derivative
+    (cos,) = [n for n in bw.graph.nodes if n.target is aten.cos.default]
+    assert cos.stack_trace == by_target[aten.sin.default].stack_trace
+    assert all(n.stack_trace for n in bw.graph.nodes if n.op == "call_function" and n.target is not aten.detach.default)
+
+
+def test_stack_traces_under_torch_compile_come_from_dynamo_graph():
+    graphs, compiler = _recording()
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return torch.relu(y).sum()  # the relu line
+
+    def backend(gm, example_inputs):
+        return aotgrad.aot_module_simplified(gm, example_inputs, compiler)
+
+    torch._dynamo.reset()
+    m = M()
+    x = torch.randn(2, 4)
+    out = torch.compile(m, backend=backend)(x)
+    torch.testing.assert_close(out, m(x))
+    out.backward()
+    fw, bw = graphs
+    (relu,) = [n for n in fw.graph.nodes if n.target is aten.relu.default]
+    assert "# the relu line" in relu.stack_trace
+    (tb,) = [n for n in bw.graph.nodes if n.target is aten.threshold_backward.default]
+    assert tb.stack_trace == relu.stack_trace and tb.meta["autograd_backward"]
+
+
+def test_aot_export_module_names_inputs_as_upstream():
+    from torch._functorch.aot_autograd import aot_export_module as upstream_export
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("b", torch.zeros(4))
+
+        def forward(self, x):
+            self.b.add_(1)
+            return ((self.lin(x) + self.b).sum(),)
+
+    x = torch.randn(2, 4)
+    for joint in (False, True):
+        kwargs = {"trace_joint": True, "output_loss_index": 0} if joint else {"trace_joint": False}
+        results = []
+        for export in (aotgrad.aot_export_module, upstream_export):
+            m = M()
+            with torch.no_grad() if not joint else torch.enable_grad():
+                gm, sig = export(m, [x], **kwargs)
+            results.append(([n.name for n in gm.graph.find_nodes(op="placeholder")], sig.user_inputs,
+                             sig.inputs_to_parameters, sig.inputs_to_buffers))
+        assert results[0] == results[1]
+        assert results[0][0] == ["arg0_1", "arg1_1", "arg2_1", "arg3_1"]

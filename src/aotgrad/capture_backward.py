@@ -13,7 +13,7 @@ import torch.fx
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-from . import ambient, analysis
+from . import ambient, analysis, node_meta
 from .capture_state import BACKWARD_MUTATION, _Forward, _last_node, _recorder
 from .errors import AotgradError, BackwardMutationError, UnsupportedMutationError
 from .plan import InputMutation
@@ -48,7 +48,8 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     if diff and wrt:
         # Traced with autocast off: eager's backward is cast by the state in force when it runs,
         # which the run time checks (ambient.py).
-        with mode, _refuse_stale_saved_values(), _without_compiled_autograd(), ambient.no_autocast():
+        with mode, _refuse_stale_saved_values(), _without_compiled_autograd(), ambient.no_autocast(), \
+                node_meta.backward_phase():
             try:
                 grads_wrt = torch.autograd.grad(
                     [fw.fw_functional[i] for i in diff],
