@@ -229,3 +229,68 @@ def test_aot_export_module_names_inputs_as_upstream():
                              sig.inputs_to_parameters, sig.inputs_to_buffers))
         assert results[0] == results[1]
         assert results[0][0] == ["arg0_1", "arg1_1", "arg2_1", "arg3_1"]
+
+
+# ---- item 12: refusals raised when upstream raises ------------------------------------------------
+
+
+class _NoGradMetadataMutation(nn.Module):
+    def forward(self, a):
+        with torch.no_grad():
+            a.unsqueeze_(-2)
+        return a.reshape(2) + 3
+
+
+def test_aot_module_simplified_compiles_from_example_inputs():
+    calls = []
+
+    def compiler(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    mod = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    compiled = aotgrad.aot_module_simplified(mod, [x], compiler)
+    assert len(calls) == 1  # the forward, compiled before any call (upstream does the same)
+    out = compiled(x)
+    assert len(calls) == 1  # the first call reuses it
+    torch.testing.assert_close(out, mod(x))
+
+
+def test_aot_module_simplified_raises_refusal_at_call_time_of_the_api():
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="no_grad"):
+        aotgrad.aot_module_simplified(_NoGradMetadataMutation(), [x], aotgrad.nop)
+
+
+class _MetaMut(torch.autograd.Function):
+    """Its backward transposes a saved input in place: refused (BackwardMutationError)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(b)
+        return a.clone(), b.clone()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        (b,) = ctx.saved_tensors
+        b.transpose_(1, 0)
+        return ga.clone(), gb.clone()
+
+
+def _meta_mut_program(a, b):
+    x, y = _MetaMut.apply(a, b)
+    return x * y
+
+
+class _MetaMutModule(nn.Module):
+    def forward(self, a, b):
+        return _meta_mut_program(a, b)
+
+
+def test_backward_refusal_raised_by_aot_module_simplified_with_its_type():
+    """A refusal found while tracing the backward is raised before any call too (the backward is
+    traced with the forward), as a BackwardMutationError."""
+    a, b = torch.ones(3, 3, requires_grad=True), torch.ones(3, 3)
+    with pytest.raises(aotgrad.BackwardMutationError, match="metadata"):
+        aotgrad.aot_module_simplified(_MetaMutModule(), [a, b], aotgrad.nop)

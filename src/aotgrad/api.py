@@ -147,6 +147,22 @@ class CompiledFunction:
                     return run(args)
         return self._call_slow(args, kwargs)
 
+    def prepare(self, *args, **kwargs) -> None:
+        """Compile for these arguments now, without running anything: a refusal (an AotgradError)
+        surfaces here, and the first call with the same signature finds the compiled entry."""
+        args = (*self.lifted, *args)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if inputs_stage.being_traced(leaves):
+            return
+        key = inputs_stage.signature(leaves, spec)
+        if key in self.cache or len(self.cache) >= max(1, config_module.recompile_hard_limit):
+            return
+        try:
+            self._compile(leaves, spec, key, args, kwargs)
+        except lifting.NeedsLifting as found:
+            self._lift(found.tensors)
+            self.prepare(*args[len(self.lifted) - len(found.tensors):], **kwargs)
+
     def _call_slow(self, args: tuple, kwargs: dict):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if inputs_stage.being_traced(leaves):
@@ -359,7 +375,10 @@ def aot_module_simplified(
     **_ignored,
 ) -> Callable:
     """The form `torch.compile` backends use: parameters and buffers lifted to graph inputs; the
-    returned callable takes only the user inputs (flat list semantics, like the FX graph)."""
+    returned callable takes only the user inputs (flat list semantics, like the FX graph).
+
+    Compiles for `args` before returning, as upstream does, so a refusal is raised here (with its
+    AotgradError type) rather than at the first call."""
 
     def make(names: list[str]) -> CompiledFunction:
         return aot_function(
@@ -375,6 +394,9 @@ def aot_module_simplified(
         )
 
     module_state = ModuleState(mod, _named_state, make)
+    # Compiled now from the example inputs, as upstream does: what aotgrad refuses is raised here.
+    compiled, state = module_state.current()
+    compiled.prepare(*state, *args)
 
     def forward(*runtime_args):
         compiled, state = module_state.current()
