@@ -294,3 +294,45 @@ def test_backward_refusal_raised_by_aot_module_simplified_with_its_type():
     a, b = torch.ones(3, 3, requires_grad=True), torch.ones(3, 3)
     with pytest.raises(aotgrad.BackwardMutationError, match="metadata"):
         aotgrad.aot_module_simplified(_MetaMutModule(), [a, b], aotgrad.nop)
+
+
+# ---- item 9: LSTM in eval mode (oneDNN path on CPU) ------------------------------------------------
+
+
+def _lstm_case(input_requires_grad: bool):
+    torch.manual_seed(0)
+    m = nn.LSTM(4, 8, num_layers=2, batch_first=True).eval()
+    x = torch.randn(3, 5, 4, requires_grad=input_requires_grad)
+    return m, x
+
+
+def _run_lstm(m, fn, x):
+    x.grad = None
+    m.zero_grad()
+    out, (h, c) = fn(x)
+    (out.sum() + (h * 2).sum() + (c * 3).sum()).backward()
+    return (out, h, c, x.grad), [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+@pytest.mark.parametrize("entry", ["aot_module", "torch.compile"])
+def test_lstm_eval_forward_and_backward_like_eager(entry, input_requires_grad):
+    assert torch._C._get_mkldnn_enabled()  # the fused oneDNN kernel is what eager runs here
+    m, x = _lstm_case(input_requires_grad)
+    expected, expected_param_grads = _run_lstm(m, m, x)
+    torch._dynamo.reset()
+    compiled = aotgrad.aot_module(m, aotgrad.nop) if entry == "aot_module" else torch.compile(
+        m, backend="aotgrad_eager")
+    got, param_grads = _run_lstm(m, compiled, x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(param_grads, expected_param_grads)
+    assert got[0].grad_fn is not None
+
+
+def test_lstm_eval_inference_like_eager():
+    m, x = _lstm_case(False)
+    with torch.no_grad():
+        expected = m(x)
+        got = aotgrad.aot_module(m, aotgrad.nop)(x)
+    torch.testing.assert_close(got, expected)
+    assert not got[0].requires_grad
