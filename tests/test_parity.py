@@ -336,3 +336,37 @@ def test_lstm_eval_inference_like_eager():
         got = aotgrad.aot_module(m, aotgrad.nop)(x)
     torch.testing.assert_close(got, expected)
     assert not got[0].requires_grad
+
+
+# ---- item 6: compiled autograd traces aotgrad's backward -------------------------------------------
+
+
+def test_compiled_autograd_traces_aotgrad_backward_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+
+    def train(x):
+        out = m(x)
+        out.sum().backward()
+        return out
+
+    def step(fn):
+        m.zero_grad()
+        return fn(x), [p.grad.clone() for p in m.parameters()]
+
+    expected = step(train)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(train, backend="aotgrad_eager")
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        for _ in range(2):
+            got = step(compiled)
+            torch.testing.assert_close(got, expected)
+    breaks = list(counters["graph_break"])
+    # The one break upstream has too: Dynamo does not trace `.backward()` itself; compiled autograd
+    # then captures the backward, aotgrad's included, as one graph.
+    assert len(breaks) == 1 and "backward()" in breaks[0], breaks
+    assert counters["stats"]["unique_graphs"] == 2  # the forward graph and compiled autograd's graph

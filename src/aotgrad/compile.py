@@ -61,6 +61,11 @@ class CompiledForward:
                     self._backward = on_roomy_stack(self._compile_backward, list(example_inputs))
         return self._backward
 
+    def traceable_backward(self, args: list) -> Any:
+        """The backward graph run as is, for Dynamo to trace into its graph (compiled autograd
+        traces the backward; the CA graph's own compiler compiles it, as upstream's does)."""
+        return self.bw_module(*args)
+
     def _compile_backward(self, example_inputs: list) -> Callable:
         if not takes_functional_graphs(self.bw_compiler):
             reinplace(self.bw_module)
