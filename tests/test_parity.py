@@ -370,3 +370,93 @@ def test_compiled_autograd_traces_aotgrad_backward_without_graph_breaks():
     # then captures the backward, aotgrad's included, as one graph.
     assert len(breaks) == 1 and "backward()" in breaks[0], breaks
     assert counters["stats"]["unique_graphs"] == 2  # the forward graph and compiled autograd's graph
+
+
+# ---- item 4: mutations in the backward pass (seed 000) -------------------------------------------
+
+
+class _BwMutatesSaved(torch.autograd.Function):
+    """Its backward doubles the saved input in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x.mul_(2)
+        return g * 3
+
+
+class _BwMutatesGradOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g.mul_(2)
+        return g + 1
+
+
+def _saved_input_mutated(a, b):
+    return a * _BwMutatesSaved.apply(b)
+
+
+def _grad_output_mutated(a, b):
+    return _BwMutatesGradOutput.apply(a * b).sin()
+
+
+def _compare_with_backward_mutation(f, requires_grad, *, compiled_fn=None):
+    def make():
+        return [torch.linspace(-1, 1, 9).view(3, 3).add(i).requires_grad_(r) for i, r in enumerate(requires_grad)]
+
+    expected_inputs, inputs = make(), make()
+    grad = torch.linspace(0.5, 2, 9).view(3, 3)
+    expected = f(*expected_inputs)
+    expected.backward(grad.clone())
+    got = (compiled_fn or aotgrad.aot_function(f, aotgrad.nop))(*inputs)
+    torch.testing.assert_close(got, expected)
+    got.backward(grad.clone())
+    for x, e in zip(inputs, expected_inputs):
+        torch.testing.assert_close(x.detach(), e.detach())  # the backward's mutation, as eager's
+        assert (x.grad is None) == (e.grad is None)
+        if e.grad is not None:
+            torch.testing.assert_close(x.grad, e.grad)
+    return inputs
+
+
+def test_backward_mutates_saved_input_that_requires_grad():
+    inputs = _compare_with_backward_mutation(_saved_input_mutated, (True, True))
+    assert inputs[1]._version > 0
+
+
+def test_backward_mutates_saved_input_without_grad_still_works():
+    _compare_with_backward_mutation(_saved_input_mutated, (True, False))
+
+
+def test_backward_mutates_grad_output():
+    _compare_with_backward_mutation(_grad_output_mutated, (True, True))
+
+
+def test_backward_mutations_through_torch_compile_backend():
+    torch._dynamo.reset()
+    _compare_with_backward_mutation(_saved_input_mutated, (True, True),
+                                    compiled_fn=torch.compile(_saved_input_mutated, backend="aotgrad_eager"))
+
+
+def test_backward_metadata_mutation_of_grad_output_still_refused():
+    class MetaMutGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            g.t_()
+            return g.clone()
+
+    with pytest.raises(aotgrad.BackwardMutationError, match="metadata"):
+        aotgrad.aot_function(lambda a: MetaMutGrad.apply(a * 2), aotgrad.nop)(torch.ones(3, 3, requires_grad=True))

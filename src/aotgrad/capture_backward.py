@@ -130,22 +130,24 @@ def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -
             )
         if analysis.mutation_count(b) == counts[k]:
             continue
-        if b.requires_grad or primals[k].requires_grad:
-            raise BackwardMutationError(
-                f"aotgrad: the backward pass mutates graph input {k}, which requires grad; this cannot be "
-                "kept in the backward graph. Mutate a tensor that does not require grad."
-            )
+        # An input that requires grad may be written by the backward too (eager: under the engine's
+        # no_grad): the copy_ in the backward graph writes the caller's tensor, as eager's does.
         if fw.mutations[k].any:
             raise BackwardMutationError(
                 f"aotgrad: graph input {k} is mutated in both the forward and the backward; not supported."
             )
-        torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
+        with torch.no_grad():  # as eager's engine runs the backward
+            torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
         _last_node().meta[BACKWARD_MUTATION] = True
         fw.mutations[k] = InputMutation(in_backward=True)
     for n, t in enumerate(tangents_fun):
         torch._sync(t)
-        if analysis.mutation_count(t) != 0 or torch._functionalize_has_metadata_mutation(t.elem):
+        # A data mutation of an incoming gradient stays functional: what the backward reads after it
+        # is the new value (as in eager); the caller's gradient tensor itself is not written (as
+        # upstream). A metadata mutation is refused.
+        if torch._functionalize_has_metadata_mutation(t.elem):
             raise BackwardMutationError(
-                f"aotgrad: the backward pass mutates the incoming gradient of forward output {n} "
-                "(e.g. grad_output.mul_() in a custom autograd.Function); clone it first."
+                f"aotgrad: the backward pass changes the metadata (shape/strides) of the incoming gradient of "
+                f"forward output {n} (e.g. grad_output.t_() in a custom autograd.Function); use an "
+                "out-of-place op."
             )
