@@ -460,3 +460,33 @@ def test_backward_metadata_mutation_of_grad_output_still_refused():
 
     with pytest.raises(aotgrad.BackwardMutationError, match="metadata"):
         aotgrad.aot_function(lambda a: MetaMutGrad.apply(a * 2), aotgrad.nop)(torch.ones(3, 3, requires_grad=True))
+
+
+def _mutated_in_both(a, buf):
+    from helpers import BwMutatesBuffer
+
+    buf.mul_(2)  # forward mutation; BwMutatesBuffer's backward then does buf.add_(1)
+    return BwMutatesBuffer.apply(a, buf) * 3
+
+
+@pytest.mark.parametrize("entry", ["aot_function", "torch.compile"])
+def test_input_mutated_in_forward_and_backward(entry):
+    def make():
+        return torch.linspace(-1, 1, 6).requires_grad_(), torch.linspace(1, 2, 6)
+
+    (ea, ebuf), (a, buf) = make(), make()
+    torch._dynamo.reset()
+    compiled = (aotgrad.aot_function(_mutated_in_both, aotgrad.nop) if entry == "aot_function"
+                else torch.compile(_mutated_in_both, backend="aotgrad_eager"))
+    expected, got = _mutated_in_both(ea, ebuf), compiled(a, buf)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(buf, ebuf)  # the forward's mutation, before any backward
+    grad = torch.linspace(0.5, 1.5, 6)
+    expected.backward(grad)
+    got.backward(grad)
+    torch.testing.assert_close(buf, ebuf)  # and the backward's
+    torch.testing.assert_close(a.grad, ea.grad)
+    got2 = compiled(a, buf)  # the compiled entry again, on the mutated buffer
+    torch.testing.assert_close(got2, _mutated_in_both(ea, ebuf))
+    torch.testing.assert_close(buf, ebuf)
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.fx
@@ -16,7 +17,6 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 from . import ambient, analysis, node_meta
 from .capture_state import BACKWARD_MUTATION, _Forward, _last_node, _recorder
 from .errors import AotgradError, BackwardMutationError, UnsupportedMutationError
-from .plan import InputMutation
 from .tracer import LeanTracer
 
 # Autograd errors a backward eager never ran (the caller took no gradient) can hit in the trace.
@@ -132,14 +132,19 @@ def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -
             continue
         # An input that requires grad may be written by the backward too (eager: under the engine's
         # no_grad): the copy_ in the backward graph writes the caller's tensor, as eager's does.
-        if fw.mutations[k].any:
+        forward = fw.mutations[k]
+        if forward.any and (forward.metadata or forward.storage or b.requires_grad or primals[k].requires_grad):
             raise BackwardMutationError(
-                f"aotgrad: graph input {k} is mutated in both the forward and the backward; not supported."
+                f"aotgrad: graph input {k} is mutated in both the forward and the backward, and the forward "
+                "changes its metadata or it requires grad; only a data mutation of an input that does not "
+                "require grad may happen in both."
             )
         with torch.no_grad():  # as eager's engine runs the backward
             torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
         _last_node().meta[BACKWARD_MUTATION] = True
-        fw.mutations[k] = InputMutation(in_backward=True)
+        # Mutated in the forward too: the forward graph writes its new value into the input itself
+        # (backward_mutations.py), so the backward's copy_ finds the caller's tensor.
+        fw.mutations[k] = replace(forward, in_backward=True)
     for n, t in enumerate(tangents_fun):
         torch._sync(t)
         # A data mutation of an incoming gradient stays functional: what the backward reads after it

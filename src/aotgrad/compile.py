@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import ambient, observe
+from . import ambient, backward_mutations, observe
 from .compilers import boxed, naming, takes_functional_graphs
 from .inplace_graphs import keep_inplace_ops
 from .interpreter_stack import on_roomy_stack
@@ -137,15 +137,19 @@ def compile_training(
     observe.log_graph("backward", bw_module)
     gradient_from = _gradient_from(bw_module, captured.num_tangents)
     # Any epilogue action on an input would invalidate a saved view of it.
-    changed = _with_storage_sharers(plan.primals_changed_after_forward, example_primals)
+    both = backward_mutations.mutated_in_both(plan)
+    changed = _with_storage_sharers(plan.primals_changed_after_forward - both, example_primals)
     clone_saved_inputs(fw_module, plan.num_fw_outputs, changed)
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
     in_place = _reinplace_for(fw_compiler, fw_module, plan)
     if keep_inplace:
         keep_inplace_ops(fw_module)
-    if keep_input_mutations:
-        in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
+    if keep_input_mutations or both:
+        in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place,
+                                         only=None if keep_input_mutations else both)
+    backward_mutations.check_written_in_forward(both, in_place)
+    backward_mutations.check_backward_reads(fw_module, bw_module, plan.num_fw_outputs, both)
     aot_id = next(_aot_ids)
     with naming("forward", aot_id):
         forward = boxed(observe.call_compiler("forward", fw_compiler, fw_module, list(example_primals)))
@@ -252,7 +256,8 @@ def _reinplace_for(compiler: Callable, gm: torch.fx.GraphModule, plan: Plan) -> 
 
 
 def _write_back_in_graph(
-    gm: torch.fx.GraphModule, plan: Plan, primals: Sequence[Any], done: frozenset[int]
+    gm: torch.fx.GraphModule, plan: Plan, primals: Sequence[Any], done: frozenset[int],
+    only: set[int] | None = None,
 ) -> frozenset[int]:
     """End the forward graph with `copy_(input, new value)` for each input the epilogue would only
     copy into outside autograd (BatchNorm's running stats): a fusing compiler then writes the new
@@ -266,6 +271,8 @@ def _write_back_in_graph(
     for k in _writable_inputs(plan, gm):
         node = value_of.get(k)
         if k in done or node is None or node is placeholders[k] or _with_storage_sharers({k}, primals) != {k}:
+            continue
+        if only is not None and k not in only:
             continue
         with gm.graph.inserting_before(output):
             gm.graph.call_function(torch.ops.aten.copy_.default, (placeholders[k], node))
