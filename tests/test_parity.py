@@ -121,6 +121,31 @@ def test_disable_functionalization_with_torch_optests_checker(monkeypatch):
         check_with_aotgrad(monkeypatch, lambda t: torch.sin(t).mul_(2), (x,), {}, disable)
 
 
+@pytest.mark.parametrize("name", ["nanquantile", "qr", "svd", "linalg.eigh", "linalg.qr", "linalg.svd"])
+def test_disable_functionalization_never_makes_an_unsafe_inplace_op(name):
+    """Ops the full sweep found torch.fx's reinplace rewriting wrongly: a broadcasting op turned into
+    an in-place one on its smaller input (svd), an `add_(m, m.t())` (qr): run by torch's checker."""
+    import opinfo_sweep
+    from opinfo_swap import check_op
+
+    assert check_op(opinfo_sweep.ops_by_id()[name], "aotgrad", True) == "pass"
+
+
+def test_broadcasting_op_is_not_made_inplace():
+    graphs, compiler = _recording()
+
+    def f(x, y):
+        s = x.sum() * 2
+        return s + y  # `s` has shape []: add_ into it would not broadcast
+
+    x, y = torch.randn(3, requires_grad=True), torch.randn(4)
+    out = aotgrad.aot_function(f, compiler, disable_functionalization=True)(x, y)
+    torch.testing.assert_close(out, f(x, y))
+    (fw,) = graphs[:1]
+    assert "aten.add_.Tensor" not in _inplace_targets(fw)
+    assert "aten.mul_.Tensor" in _inplace_targets(fw)  # the scalar's own op is still made in place
+
+
 @pytest.mark.long
 def test_optests_aot_autograd_check_over_op_db():
     """torch's OpInfo checker over all of op_db, aotgrad and upstream, each with and without
