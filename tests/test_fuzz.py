@@ -12,6 +12,7 @@ import aotgrad.api
 from aotgrad import AotgradError, fuzz
 from aotgrad.fuzz import NoGrad, Program, Stmt
 
+
 # 20,000 programs on seeds 31-34 gave 0 mismatches and 1 crash (seed 34 program 1289, now a refusal
 # with a regression test); fresh seeds may still find rare crashes (fewer than 1 in 10,000 programs),
 # so the long run stays a non-strict xfail.

@@ -139,3 +139,35 @@ def test_compiled_module_called_inside_compiled_function():
     aot_function(f, nop)(x2).backward()
     for a, b in zip(grads_e, [p.grad for p in layer.parameters()] + [x2.grad]):
         torch.testing.assert_close(b, a)
+
+
+def test_requires_grad_on_an_input_sharing_memory_is_refused():
+    """Fuzz seed 0 program 234: requires_grad_() on an input that views another, then a write into
+    that other: in eager, whether the written input then requires grad depends on autograd's view
+    tracking (it did there). Refused, not silently different."""
+    def f(a0, a1):
+        v1 = (a1 + a1).sum(0)
+        a0.requires_grad_()
+        a1.copy_(v1)
+        return (a1,)
+
+    def make():
+        c0 = torch.randn(3, 3, 3)
+        return c0.unsqueeze(2), c0
+
+    f(*make())  # eager runs it
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="requires_grad_"):
+        aot_function(f, nop)(*make())
+
+
+def test_view_of_a_detached_input_marked_requires_grad_is_refused():
+    """Fuzz seed 503 program 2903: eager returns a view that requires grad (and refuses in-place ops
+    on it); aotgrad would rebuild it from the input without requires_grad."""
+    def f(a0):
+        v = a0.detach()[-8:22]
+        v.requires_grad_()
+        return (v,)
+
+    assert f(torch.randn(2, 4, 3))[0].requires_grad
+    with pytest.raises(aotgrad.UnsupportedOutputError, match="requires_grad_"):
+        aot_function(f, nop)(torch.randn(2, 4, 3))

@@ -237,7 +237,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     with mode, hooks:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
-    _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
+    if hooks.requires_grad_called:
+        _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
     if not training and any(isinstance(o, torch.Tensor) and o.requires_grad for o in flat_out):
         raise NeedsTraining  # outputs of an enable_grad() region, or marked with requires_grad_()
 

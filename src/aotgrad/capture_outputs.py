@@ -54,6 +54,8 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
             continue
         if isinstance(o, torch.Tensor):
             position_of[id(o)] = pos
+            if training and id(o) not in leaf_of:
+                _refuse_new_leaf(f"output {pos}", o)
         q = position_of.get(id(getattr(o, "_base", None)))
         kept_history = isinstance(o, torch.Tensor) and o.requires_grad and getattr(o._base, "_aotgrad_detached", False)
         if q is not None and not _is_graph_value(sources[q]) and not kept_history:
@@ -112,6 +114,17 @@ def _bases_first(values) -> list[int]:
     return firsts + [pos for pos in range(len(values)) if pos not in firsts]
 
 
+def _refuse_new_leaf(name: str, o: torch.Tensor) -> None:
+    """A tensor the program made an autograd leaf (`requires_grad_()`, or created with
+    requires_grad=True), or a view it so marked, cannot come back as one: refused."""
+    if isinstance(o, FunctionalTensor) and o.requires_grad and o.is_leaf and (o._base is None or not o._base.requires_grad):
+        raise UnsupportedOutputError(
+            f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True (or a "
+            "view the program marked with requires_grad_()); aotgrad can only return tensors computed from "
+            "the inputs. Pass it in as an input."
+        )
+
+
 def _is_graph_value(source) -> bool:
     return isinstance(source, (tuple, GraphOutput, InputItself)) or source is None
 
@@ -127,12 +140,6 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
         return ("plain", o)
     if id(o) in leaf_of:
         return InputItself(leaf_of[id(o)])
-    if training and o.requires_grad and o.is_leaf and (o._base is None or not o._base.requires_grad):
-        raise UnsupportedOutputError(
-            f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True (or a "
-            "view the program marked with requires_grad_()); aotgrad can only return tensors computed from "
-            "the inputs. Pass it in as an input."
-        )
     k = base_storage.get(analysis.storage_id(o))
     if k is None:
         return None if o._base is not None else ("plain", o)

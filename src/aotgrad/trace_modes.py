@@ -356,9 +356,12 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.clone_coordinates: set[int] = set()
         self.dense_copies = list(dense_copies)  # inputs overlapping themselves, traced as dense clones
+        self.requires_grad_called = False  # the program called requires_grad_() (capture checks inputs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.requires_grad_:
+            self.requires_grad_called = True
         if func is torch.Tensor.detach_ and args:
             _check_detach_in_place(args[0])
             args[0]._aotgrad_detached = True
