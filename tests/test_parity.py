@@ -515,3 +515,19 @@ def test_input_mutated_in_forward_and_backward(entry):
     torch.testing.assert_close(got2, _mutated_in_both(ea, ebuf))
     torch.testing.assert_close(buf, ebuf)
 
+
+
+def test_backward_nodes_marked_on_the_make_fx_path_too():
+    """Symbolic sizes make the lean recorder hand over to make_fx: backward nodes are still marked."""
+    graphs, compiler = _recording()
+
+    torch._dynamo.reset()
+    backend = aotgrad.backend(fw_compiler=compiler, bw_compiler=compiler)
+    f = torch.compile(lambda x: (x.sin() * 2).sum(), backend=backend, dynamic=True)
+    x = torch.randn(5, requires_grad=True)
+    f(x).backward()
+    torch.testing.assert_close(x.grad, x.detach().cos() * 2)
+    fw, bw = graphs[0], graphs[-1]
+    ops = [n for n in bw.graph.nodes if n.op == "call_function"]
+    assert ops and all(n.meta.get("autograd_backward") for n in ops)
+    assert not any(n.meta.get("autograd_backward") for n in fw.graph.nodes)

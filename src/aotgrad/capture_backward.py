@@ -49,7 +49,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
         # Traced with autocast off: eager's backward is cast by the state in force when it runs,
         # which the run time checks (ambient.py).
         with mode, _refuse_stale_saved_values(), _without_compiled_autograd(), ambient.no_autocast(), \
-                node_meta.backward_phase():
+                node_meta.backward_phase(_recorded_graph()):
             try:
                 grads_wrt = torch.autograd.grad(
                     [fw.fw_functional[i] for i in diff],
@@ -104,6 +104,13 @@ def _saved_value_name(e: RuntimeError) -> str:
 def _wants_grad(primal, fun) -> bool:
     """Gradients flow to a primal that required grad, or that the program made a leaf requiring grad."""
     return primal.requires_grad or (fun.requires_grad and fun.is_leaf)
+
+
+def _recorded_graph() -> torch.fx.Graph | None:
+    mode = _recorder()
+    if isinstance(mode, LeanTracer):
+        return mode.graph
+    return getattr(getattr(mode, "tracer", None), "graph", None)
 
 
 def _new_placeholder(name: str, like: torch.Tensor) -> torch.Tensor:

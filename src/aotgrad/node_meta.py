@@ -34,14 +34,23 @@ _frame_text: dict[tuple[str, int, str], str] = {}
 
 
 @contextlib.contextmanager
-def backward_phase():
-    """Nodes recorded inside are the backward's."""
+def backward_phase(graph: torch.fx.Graph | None = None):
+    """Nodes recorded inside are the backward's. With `graph` (the one being recorded, whichever
+    recorder records it), every node appended to it inside is marked too: the make_fx fallback
+    does not call `annotate`."""
     old = getattr(_state, "backward", False)
     _state.backward = True
+    last = graph._root.prev if graph is not None else None
     try:
         yield
     finally:
         _state.backward = old
+        if last is not None:
+            node = last.next
+            while node is not graph._root:
+                if node.op == "call_function":
+                    node.meta["autograd_backward"] = True
+                node = node.next
 
 
 def annotate(node: torch.fx.Node) -> None:
