@@ -49,6 +49,7 @@ class AOTConfig:
     keep_inference_input_mutations: bool
     dynamic: bool
     enable_log: bool = True
+    disable_functionalization: bool = False  # compilers get graphs with in-place ops (inplace_graphs.py)
 
 
 def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
@@ -78,9 +79,11 @@ def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config
             captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals,
             keep_input_mutations=config.keep_inference_input_mutations,
             make_compiled=lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)),
+            keep_inplace=config.disable_functionalization,
         )
     else:
-        compiled = compile_inference(captured, config.inference_compiler, primals)
+        compiled = compile_inference(captured, config.inference_compiler, primals,
+                                     keep_inplace=config.disable_functionalization)
     plan = captured.plan
     # The caller's non-tensor arguments were needed for the trace only; the signature holds what it
     # read off them (guards.py), so the cache must not keep them alive.
@@ -145,6 +148,22 @@ class CompiledFunction:
                 if guard(args):
                     return run(args)
         return self._call_slow(args, kwargs)
+
+    def prepare(self, *args, **kwargs) -> None:
+        """Compile for these arguments now, without running anything: a refusal (an AotgradError)
+        surfaces here, and the first call with the same signature finds the compiled entry."""
+        args = (*self.lifted, *args)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if inputs_stage.being_traced(leaves):
+            return
+        key = inputs_stage.signature(leaves, spec)
+        if key in self.cache or len(self.cache) >= max(1, config_module.recompile_hard_limit):
+            return
+        try:
+            self._compile(leaves, spec, key, args, kwargs)
+        except lifting.NeedsLifting as found:
+            self._lift(found.tensors)
+            self.prepare(*args[len(self.lifted) - len(found.tensors):], **kwargs)
 
     def _call_slow(self, args: tuple, kwargs: dict):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -268,13 +287,16 @@ def aot_function(
     *,
     dynamic: bool = False,
     enable_log: bool = True,
+    disable_functionalization: bool = False,
 ) -> CompiledFunction:
     """Trace `fn`'s forward and backward ahead of time and run them through the given compilers.
 
     Compiles on the first call for each input signature (shapes, strides, dtypes, requires_grad,
     aliasing, non-tensor values, grad mode); later calls with the same signature only run the
     generated run-time code. `dynamic` is accepted for compatibility: shapes are specialized and a new
-    shape recompiles (never reuses a graph that does not fit).
+    shape recompiles (never reuses a graph that does not fit). With `disable_functionalization`,
+    compilers get graphs whose out-of-place ops are made in place again where safe (upstream's
+    non-functional graphs); the trace itself stays functional, so results are the same.
     """
     config = AOTConfig(
         fw_compiler=fw_compiler,
@@ -286,6 +308,7 @@ def aot_function(
         keep_inference_input_mutations=keep_inference_input_mutations,
         dynamic=dynamic,
         enable_log=enable_log,
+        disable_functionalization=disable_functionalization,
     )
     return CompiledFunction(fn, config)
 
@@ -350,10 +373,14 @@ def aot_module_simplified(
     cudagraphs: Any = None,
     boxed_forward_device_index: Any = None,
     ignore_shape_env: bool = False,
+    disable_functionalization: bool = False,
     **_ignored,
 ) -> Callable:
     """The form `torch.compile` backends use: parameters and buffers lifted to graph inputs; the
-    returned callable takes only the user inputs (flat list semantics, like the FX graph)."""
+    returned callable takes only the user inputs (flat list semantics, like the FX graph).
+
+    Compiles for `args` before returning, as upstream does, so a refusal is raised here (with its
+    AotgradError type) rather than at the first call."""
 
     def make(names: list[str]) -> CompiledFunction:
         return aot_function(
@@ -365,9 +392,13 @@ def aot_module_simplified(
             num_params_buffers=len(names),
             keep_inference_input_mutations=keep_inference_input_mutations,
             inference_compiler=inference_compiler,
+            disable_functionalization=disable_functionalization,
         )
 
     module_state = ModuleState(mod, _named_state, make)
+    # Compiled now from the example inputs, as upstream does: what aotgrad refuses is raised here.
+    compiled, state = module_state.current()
+    compiled.prepare(*state, *args)
 
     def forward(*runtime_args):
         compiled, state = module_state.current()

@@ -7,17 +7,17 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.fx
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-from . import ambient, analysis
+from . import ambient, analysis, node_meta
 from .capture_state import BACKWARD_MUTATION, _Forward, _last_node, _recorder
 from .errors import AotgradError, BackwardMutationError, UnsupportedMutationError
 from .higher_order import tag_saved_unpacks
-from .plan import InputMutation
 from .tracer import LeanTracer
 
 # Autograd errors a backward eager never ran (the caller took no gradient) can hit in the trace.
@@ -50,7 +50,8 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     if diff and wrt:
         # Traced with autocast off: eager's backward is cast by the state in force when it runs,
         # which the run time checks (ambient.py).
-        with mode, _refuse_stale_saved_values(), _without_compiled_autograd(), ambient.no_autocast():
+        with mode, _refuse_stale_saved_values(), _without_compiled_autograd(), ambient.no_autocast(), \
+                node_meta.backward_phase(_recorded_graph()):
             try:
                 grads_wrt = torch.autograd.grad(
                     [fw.fw_functional[i] for i in diff],
@@ -108,6 +109,13 @@ def _wants_grad(primal, fun) -> bool:
     return primal.requires_grad or (fun.requires_grad and fun.is_leaf)
 
 
+def _recorded_graph() -> torch.fx.Graph | None:
+    mode = _recorder()
+    if isinstance(mode, LeanTracer):
+        return mode.graph
+    return getattr(getattr(mode, "tracer", None), "graph", None)
+
+
 def _new_placeholder(name: str, like: torch.Tensor) -> torch.Tensor:
     """A new graph input created mid-trace (tangents are only known once the forward has run)."""
     mode = _recorder()
@@ -132,22 +140,29 @@ def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -
             )
         if analysis.mutation_count(b) == counts[k]:
             continue
-        if b.requires_grad or primals[k].requires_grad:
+        # An input that requires grad may be written by the backward too (eager: under the engine's
+        # no_grad): the copy_ in the backward graph writes the caller's tensor, as eager's does.
+        forward = fw.mutations[k]
+        if forward.any and (forward.metadata or forward.storage or b.requires_grad or primals[k].requires_grad):
             raise BackwardMutationError(
-                f"aotgrad: the backward pass mutates graph input {k}, which requires grad; this cannot be "
-                "kept in the backward graph. Mutate a tensor that does not require grad."
+                f"aotgrad: graph input {k} is mutated in both the forward and the backward, and the forward "
+                "changes its metadata or it requires grad; only a data mutation of an input that does not "
+                "require grad may happen in both."
             )
-        if fw.mutations[k].any:
-            raise BackwardMutationError(
-                f"aotgrad: graph input {k} is mutated in both the forward and the backward; not supported."
-            )
-        torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
+        with torch.no_grad():  # as eager's engine runs the backward
+            torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
         _last_node().meta[BACKWARD_MUTATION] = True
-        fw.mutations[k] = InputMutation(in_backward=True)
+        # Mutated in the forward too: the forward graph writes its new value into the input itself
+        # (backward_mutations.py), so the backward's copy_ finds the caller's tensor.
+        fw.mutations[k] = replace(forward, in_backward=True)
     for n, t in enumerate(tangents_fun):
         torch._sync(t)
-        if analysis.mutation_count(t) != 0 or torch._functionalize_has_metadata_mutation(t.elem):
+        # A data mutation of an incoming gradient stays functional: what the backward reads after it
+        # is the new value (as in eager); the caller's gradient tensor itself is not written (as
+        # upstream). A metadata mutation is refused.
+        if torch._functionalize_has_metadata_mutation(t.elem):
             raise BackwardMutationError(
-                f"aotgrad: the backward pass mutates the incoming gradient of forward output {n} "
-                "(e.g. grad_output.mul_() in a custom autograd.Function); clone it first."
+                f"aotgrad: the backward pass changes the metadata (shape/strides) of the incoming gradient of "
+                f"forward output {n} (e.g. grad_output.t_() in a custom autograd.Function); use an "
+                "out-of-place op."
             )

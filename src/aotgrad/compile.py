@@ -20,10 +20,11 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import ambient, observe
+from . import ambient, backward_mutations, observe
 from .capture_inputs import _primal_name
 from .compilers import boxed, naming, takes_functional_graphs
 from .higher_order import HigherOrder, pristine_copy
+from .inplace_graphs import keep_inplace_ops
 from .interpreter_stack import on_roomy_stack
 from .partition import clone_saved_inputs
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
@@ -51,6 +52,7 @@ class CompiledForward:
     bw_compiler: Callable | None = None
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
     higher_order: HigherOrder | None = None  # the differentiable backward (higher_order.py)
+    keep_inplace: bool = False  # disable_functionalization=True: compilers get in-place ops back
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)
@@ -63,9 +65,16 @@ class CompiledForward:
                     self._backward = on_roomy_stack(self._compile_backward, list(example_inputs))
         return self._backward
 
+    def traceable_backward(self, args: list) -> Any:
+        """The backward graph run as is, for Dynamo to trace into its graph (compiled autograd
+        traces the backward; the CA graph's own compiler compiles it, as upstream's does)."""
+        return self.bw_module(*args)
+
     def _compile_backward(self, example_inputs: list) -> Callable:
         if not takes_functional_graphs(self.bw_compiler):
             reinplace(self.bw_module)
+        if self.keep_inplace:
+            keep_inplace_ops(self.bw_module)
         with naming("backward", self.aot_id):
             return boxed(observe.call_compiler("backward", self.bw_compiler, self.bw_module, example_inputs,
                                                log=False))
@@ -79,6 +88,8 @@ class CompiledForward:
             gm = ambient.retrace_under_autocast(self.bw_module, key[0], args)
             if not takes_functional_graphs(self.bw_compiler):
                 reinplace(gm)
+            if self.keep_inplace:
+                keep_inplace_ops(gm)
             with naming("backward", self.aot_id):
                 compiled = boxed(on_roomy_stack(observe.call_compiler, "backward", self.bw_compiler, gm, list(args),
                                                 log=False))
@@ -96,15 +107,20 @@ def _arg_key(x: Any) -> Any:
 _aot_ids = itertools.count()
 
 
-def compile_inference(captured: Captured, compiler: Callable, example_primals: Sequence[Any]) -> CompiledForward:
+def compile_inference(
+    captured: Captured, compiler: Callable, example_primals: Sequence[Any], *, keep_inplace: bool = False
+) -> CompiledForward:
     gm = captured.graph
     if isinstance(gm, _LazyGraphModule):  # compilers get a module whose forward is the real code
         gm = torch.fx.GraphModule(gm, gm.graph)
     in_place = _reinplace_for(compiler, gm, captured.plan)
+    if keep_inplace:
+        keep_inplace_ops(gm)
     aot_id = next(_aot_ids)
     with naming("inference", aot_id):
         compiled = boxed(observe.call_compiler("inference", compiler, gm, list(example_primals)))
-    return CompiledForward(compiled, gm, captured.plan.num_fw_outputs, written_in_place=in_place, aot_id=aot_id)
+    return CompiledForward(compiled, gm, captured.plan.num_fw_outputs, written_in_place=in_place, aot_id=aot_id,
+                           keep_inplace=keep_inplace)
 
 
 def compile_training(
@@ -116,6 +132,7 @@ def compile_training(
     *,
     keep_input_mutations: bool = False,
     make_compiled: Callable | None = None,
+    keep_inplace: bool = False,
 ) -> CompiledForward:
     """`make_compiled(fn)`: an aotgrad compiled function of `fn` with this signature's configuration,
     for the differentiable backward of higher-order gradients (none without it)."""
@@ -129,13 +146,19 @@ def compile_training(
     pristine = (pristine_copy(fw_module), pristine_copy(bw_module)) if make_compiled is not None else None
     gradient_from = _gradient_from(bw_module, captured.num_tangents)
     # Any epilogue action on an input would invalidate a saved view of it.
-    changed = _with_storage_sharers(plan.primals_changed_after_forward, example_primals)
+    both = backward_mutations.mutated_in_both(plan)
+    changed = _with_storage_sharers(plan.primals_changed_after_forward - both, example_primals)
     clone_saved_inputs(fw_module, plan.num_fw_outputs, changed)
     saved = list(fw_module.graph.output_node().args[0])[plan.num_fw_outputs :]
     num_tensors = sum(isinstance(n.meta.get("val"), torch.Tensor) for n in saved if hasattr(n, "meta"))
     in_place = _reinplace_for(fw_compiler, fw_module, plan)
-    if keep_input_mutations:
-        in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place)
+    if keep_inplace:
+        keep_inplace_ops(fw_module)
+    if keep_input_mutations or both:
+        in_place |= _write_back_in_graph(fw_module, plan, example_primals, in_place,
+                                         only=None if keep_input_mutations else both)
+    backward_mutations.check_written_in_forward(both, in_place)
+    backward_mutations.check_backward_reads(fw_module, bw_module, plan.num_fw_outputs, both)
     aot_id = next(_aot_ids)
     with naming("forward", aot_id):
         forward = boxed(observe.call_compiler("forward", fw_compiler, fw_module, list(example_primals)))
@@ -151,6 +174,7 @@ def compile_training(
         bw_module=bw_module,
         bw_compiler=bw_compiler,
         aot_id=aot_id,
+        keep_inplace=keep_inplace,
     )
     if pristine is not None:
         mutated = sorted(plan.primals_changed_after_forward | in_place)
@@ -248,7 +272,8 @@ def _reinplace_for(compiler: Callable, gm: torch.fx.GraphModule, plan: Plan) -> 
 
 
 def _write_back_in_graph(
-    gm: torch.fx.GraphModule, plan: Plan, primals: Sequence[Any], done: frozenset[int]
+    gm: torch.fx.GraphModule, plan: Plan, primals: Sequence[Any], done: frozenset[int],
+    only: set[int] | None = None,
 ) -> frozenset[int]:
     """End the forward graph with `copy_(input, new value)` for each input the epilogue would only
     copy into outside autograd (BatchNorm's running stats): a fusing compiler then writes the new
@@ -262,6 +287,8 @@ def _write_back_in_graph(
     for k in _writable_inputs(plan, gm):
         node = value_of.get(k)
         if k in done or node is None or node is placeholders[k] or _with_storage_sharers({k}, primals) != {k}:
+            continue
+        if only is not None and k not in only:
             continue
         with gm.graph.inserting_before(output):
             gm.graph.call_function(torch.ops.aten.copy_.default, (placeholders[k], node))

@@ -140,6 +140,9 @@ def _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, loss_ind
     placeholders = list(graph.find_nodes(op="placeholder"))
     primal_nodes = placeholders[: len(leaves)]
     tangents = placeholders[len(leaves):]
+    for i, node in enumerate(primal_nodes):  # upstream's export names its inputs arg0_1, arg1_1, ...
+        node._rename(f"arg{i}_1")
+        node.target = node.name
     out_node = graph.output_node()
     fw_values = list(out_node.args[0][: plan.num_fw_outputs])
     grads = list(out_node.args[0][plan.num_fw_outputs:]) if trace_joint else []

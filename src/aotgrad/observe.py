@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch._logging
 
+from . import node_meta
 from .errors import CompilerError
 
 log = logging.getLogger("aotgrad.stages")
@@ -87,6 +88,7 @@ def call_compiler(
     kind: str, compiler: Callable, gm: torch.fx.GraphModule, example_inputs: list, log: bool = True
 ) -> Callable:
     """Hand `gm` to `compiler`, timed; a compiler that returns None is named in an AotgradError."""
+    node_meta.complete(gm)
     if log:
         log_graph(kind, gm)
     with stage(f"compile_{kind}", getattr(compiler, "__name__", type(compiler).__name__)):

@@ -186,11 +186,16 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # Eager's backward is cast by the autocast state in force when it runs (ambient.py).
     bw.globals["_any_autocast"] = ambient.any_autocast
     run_bw = f"({cfw}.backward(args)(args) if not _any_autocast() else {cfw}.backward_under_autocast(args))"
+    # Under compiled autograd Dynamo traces this backward: it gets the backward graph itself to
+    # inline (compile.CompiledForward.traceable_backward), without the lock or the compiler call.
+    bw.globals["_is_compiling"] = torch.compiler.is_compiling
+    run_bw = f"({cfw}.traceable_backward(args) if _is_compiling() else {run_bw})"
     # The node lets go of its saved tensors (unless retain_graph keeps them for another backward),
     # so the boxed graph, which clears `args`, frees each activation after its last use: the
     # backward's peak memory is then what the graph needs, not that plus every saved activation.
     if n_t:
-        bw.emit("ctx.maybe_clear_saved_tensors()")
+        bw.emit("if not _is_compiling():")
+        bw.emit("ctx.maybe_clear_saved_tensors()", indent=2)
     if higher is not None:  # a first-order backward that frees the graph frees the inputs too
         bw.emit(f"if not {bw.bind('keep_graph', torch._C._autograd._get_current_graph_task_keep_graph)}():")
         bw.emit("ctx.primals = None", 2)

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils import _pytree as pytree
 
-from . import analysis
+from . import analysis, rnn
 from .errors import (
     UnsupportedAliasingError,
     UnsupportedMutationError,
@@ -391,6 +391,8 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
             out = func(*args, **kwargs)
             out._aotgrad_alias_of = _alias_root(args[0])  # detach() has no ._base, yet shares storage
             return out
+        if rnn.is_lstm(func):
+            return rnn.lstm(args, kwargs)
         return func(*args, **kwargs)
 
     def _in_clone_coordinates(self, func, args, kwargs):

@@ -30,6 +30,8 @@ from torch._higher_order_ops.effects import with_effects
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import node_meta
+
 
 class UseMakeFx(Exception):
     """The program needs something this recorder does not do; trace it with make_fx."""
@@ -116,6 +118,7 @@ class LeanTracer(TorchDispatchMode):
             node.meta[NO_GRAD] = True
         node.meta["val"] = out
         node.meta["original_aten"] = self.original_op or target
+        node_meta.annotate(node)
         if isinstance(out, torch.Tensor):
             if id(out) not in self.nodes:  # an in-place op returns its (already recorded) input
                 self._bind(out, node)
@@ -161,6 +164,7 @@ class LeanTracer(TorchDispatchMode):
 
     def finish(self, outputs: list) -> torch.fx.GraphModule:
         self.graph.output([self._arg(o) if isinstance(o, torch.Tensor) else o for o in outputs])
+        node_meta.copy_forward_traces(self.graph)
         # Lazy: a joint graph is only read by the partitioner; its Python code is written on demand.
         gm = _LazyGraphModule(self.root, self.graph)
         gm.meta[GRAD_MODE_RECORDED] = True
