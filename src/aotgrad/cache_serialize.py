@@ -69,12 +69,17 @@ def dump_graph(gm: torch.fx.GraphModule) -> bytes:
     shape_env = gm.__dict__.pop("shape_env", _MISSING)
     for k in dropped:
         del gm.meta[k]
+    # Autograd's sequence numbers (node_meta.py) count up through the process: an entry would differ
+    # from one compile to the next. They only pair backward nodes with forward ones; not stored.
+    seq_nrs = {n: n.meta.pop("seq_nr") for n in gm.graph.nodes if "seq_nr" in n.meta}
     env = "absent" if shape_env is _MISSING else "none" if shape_env is None else "mode"
     try:
         from torch.fx._graph_pickler import Options
 
         return _pickler().dumps((type(gm).__name__, env, gm), Options(ops_filter=None))
     finally:
+        for n, seq in seq_nrs.items():
+            n.meta["seq_nr"] = seq
         gm.meta.update(dropped)
         if shape_env is not _MISSING:
             gm.shape_env = shape_env

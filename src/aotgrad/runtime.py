@@ -197,7 +197,8 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         bw.emit("if not _is_compiling():")
         bw.emit("ctx.maybe_clear_saved_tensors()", indent=2)
     if higher is not None:  # a first-order backward that frees the graph frees the inputs too
-        bw.emit(f"if not {bw.bind('keep_graph', torch._C._autograd._get_current_graph_task_keep_graph)}():")
+        # (not while Dynamo traces this backward for compiled autograd: the call would break its graph)
+        bw.emit(f"if not _is_compiling() and not {bw.bind('keep_graph', torch._C._autograd._get_current_graph_task_keep_graph)}():")
         bw.emit("ctx.primals = None", 2)
     if unreached:
         bw.emit(f"grads_in = list({run_bw})")
