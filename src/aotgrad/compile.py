@@ -26,7 +26,7 @@ from .compilers import boxed, naming, takes_functional_graphs
 from .higher_order import HigherOrder, pristine_copy
 from .inplace_graphs import keep_inplace_ops
 from .interpreter_stack import on_roomy_stack
-from .partition import clone_saved_inputs
+from .partition import clone_saved_inputs, flows_from
 from .plan import Captured, CopyInto, MutatedInputValue, Plan
 from .reinplace import reinplace
 from .tracer import GRAD_MODE_RECORDED
@@ -194,7 +194,7 @@ def compile_training(
 def _computed_from(joint: torch.fx.GraphModule, num_fw_outputs: int) -> tuple[int, ...]:
     """For each forward output of the joint graph, the graph inputs its value flows from, as a
     bitmask by placeholder position (the primals come first)."""
-    flows = _flows_from(joint, joint.graph.find_nodes(op="placeholder"))
+    flows = flows_from(joint, joint.graph.find_nodes(op="placeholder"))
     outs = list(joint.graph.output_node().args[0])[:num_fw_outputs]
     return tuple(flows.get(o, 0) if isinstance(o, torch.fx.Node) else 0 for o in outs)
 
@@ -203,21 +203,9 @@ def _gradient_from(bw: torch.fx.GraphModule, num_tangents: int) -> tuple[int | N
     """For each gradient the backward graph returns, the tangents (its last `num_tangents` inputs)
     it flows from, as a bitmask; None where it returns no gradient."""
     tangents = bw.graph.find_nodes(op="placeholder")[len(bw.graph.find_nodes(op="placeholder")) - num_tangents:]
-    flows = _flows_from(bw, tangents)
+    flows = flows_from(bw, tangents)
     grads = bw.graph.output_node().args[0]
     return tuple(flows.get(g, 0) if isinstance(g, torch.fx.Node) else None for g in grads)
-
-
-def _flows_from(gm: torch.fx.GraphModule, sources: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
-    """For each node, a bitmask of the `sources` its value flows from."""
-    flows = {node: 1 << j for j, node in enumerate(sources)}
-    for node in gm.graph.nodes:
-        if node not in flows:
-            mask = 0
-            for arg in node.all_input_nodes:
-                mask |= flows.get(arg, 0)
-            flows[node] = mask
-    return flows
 
 
 def placeholder_values(gm: torch.fx.GraphModule) -> list:

@@ -44,6 +44,7 @@ import torch
 import torch.fx
 
 from .errors import AotgradError, HigherOrderError
+from .partition import flows_from
 from .tracer import NO_GRAD
 
 log = logging.getLogger("aotgrad.higher_order")
@@ -436,14 +437,7 @@ def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
 
 def _needs(gm: torch.fx.GraphModule, num_primals: int) -> dict[int, int]:
     """Per primal, a bitmask of the graph's outputs its value flows into."""
-    placeholders = gm.graph.find_nodes(op="placeholder")[:num_primals]
-    flows = {n: 1 << k for k, n in enumerate(placeholders)}
-    for node in gm.graph.nodes:
-        if node not in flows:
-            mask = 0
-            for a in node.all_input_nodes:
-                mask |= flows.get(a, 0)
-            flows[node] = mask
+    flows = flows_from(gm, gm.graph.find_nodes(op="placeholder")[:num_primals])
     needs: dict[int, int] = {}
     for j, o in enumerate(gm.graph.output_node().args[0]):
         mask = flows.get(o, 0) if isinstance(o, torch.fx.Node) else 0

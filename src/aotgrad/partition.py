@@ -250,3 +250,15 @@ def clone_saved_inputs(fw_module: GraphModule, num_fwd_outputs: int, primal_indi
             outs[i] = clone
     out_node.args = (outs,)
     fw_module.recompile()
+
+
+def flows_from(gm: torch.fx.GraphModule, sources: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """For each node, a bitmask of the `sources` its value flows from."""
+    flows = {node: 1 << j for j, node in enumerate(sources)}
+    for node in gm.graph.nodes:
+        if node not in flows:
+            mask = 0
+            for arg in node.all_input_nodes:
+                mask |= flows.get(arg, 0)
+            flows[node] = mask
+    return flows
