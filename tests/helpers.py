@@ -18,3 +18,19 @@ class BwMutatesBuffer(torch.autograd.Function):
         (buf,) = ctx.saved_tensors
         buf.add_(1)
         return g * buf, None
+
+
+class BackwardTransposesSaved(torch.autograd.Function):
+    """Its backward transposes a saved input in place: a metadata mutation in the backward, which
+    aotgrad refuses (BackwardMutationError)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(b)
+        return a.clone(), b.clone()
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        (b,) = ctx.saved_tensors
+        b.transpose_(1, 0)
+        return ga.clone(), gb.clone()

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from helpers import BwMutatesBuffer
+from helpers import BackwardTransposesSaved, BwMutatesBuffer
 
 import aotgrad
 from aotgrad import aot_function, aot_module, make_boxed_compiler, nop
@@ -769,20 +769,8 @@ def test_backward_mutation_of_input_not_requiring_grad():
 
 
 def test_backward_metadata_mutation_raises():
-    class MetaMut(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(b)
-            return a.clone(), b.clone()
-
-        @staticmethod
-        def backward(ctx, ga, gb):
-            (b,) = ctx.saved_tensors
-            b.transpose_(1, 0)
-            return ga.clone(), gb.clone()
-
     def f(a, b):
-        x, y = MetaMut.apply(a, b)
+        x, y = BackwardTransposesSaved.apply(a, b)
         return x * y
 
     with pytest.raises(aotgrad.BackwardMutationError, match="metadata"):

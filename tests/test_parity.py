@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import BackwardTransposesSaved
 
 import aotgrad
 
@@ -288,23 +289,8 @@ def test_aot_module_simplified_raises_refusal_at_call_time_of_the_api():
         aotgrad.aot_module_simplified(_NoGradMetadataMutation(), [x], aotgrad.nop)
 
 
-class _MetaMut(torch.autograd.Function):
-    """Its backward transposes a saved input in place: refused (BackwardMutationError)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(b)
-        return a.clone(), b.clone()
-
-    @staticmethod
-    def backward(ctx, ga, gb):
-        (b,) = ctx.saved_tensors
-        b.transpose_(1, 0)
-        return ga.clone(), gb.clone()
-
-
 def _meta_mut_program(a, b):
-    x, y = _MetaMut.apply(a, b)
+    x, y = BackwardTransposesSaved.apply(a, b)
     return x * y
 
 
