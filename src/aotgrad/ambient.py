@@ -52,19 +52,6 @@ def _enabled(device_type: str) -> bool:
         return False
 
 
-class autocast_for_tracing:
-    """Trace under the caller's autocast state with autocast's cast cache off: every cast is
-    recorded where the program makes it (CSE merges repeats), and the cache does not keep the
-    trace's fake tensors alive after it."""
-
-    def __enter__(self):
-        self._cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.set_autocast_cache_enabled(self._cache)
-
-
 def set_autocast(key: tuple):
     """A context manager that puts autocast in the state `key` (from `autocast_key`) for every
     device type it names, and turns it off for the others."""
