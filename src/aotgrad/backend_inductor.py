@@ -256,7 +256,9 @@ def _restride_saved(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
     A symbolic stride is compared by its size hint, never with `==` on the symbol: that would add a
     guard pinning the size (a recompile for every new length). Where the hint differs, the
     stride expression Inductor recorded becomes the new symbolic stride."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols, optimization_hint
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    from .torch_compat import optimization_hint
 
     strides = fw.meta.get(_OUT_STRIDES)
     n_fwd = fw.meta.get(_NUM_FWD)

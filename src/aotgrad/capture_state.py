@@ -64,7 +64,7 @@ def _node_of(t: torch.Tensor) -> torch.fx.Node:
 def _last_node() -> torch.fx.Node:
     mode = _recorder()
     graph = mode.graph if isinstance(mode, LeanTracer) else mode.tracer.graph
-    return next(reversed(graph.nodes))
+    return next(iter(reversed(graph.nodes)))
 
 
 def _add_fw_value(fw: _Forward, t, kind, differentiable: bool) -> int:

@@ -63,7 +63,7 @@ def _hint(n: Any, fallback: int = 4096) -> int:
     if isinstance(n, int):
         return n
     if isinstance(n, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        from .torch_compat import optimization_hint
 
         try:
             return int(optimization_hint(n, fallback=fallback))
