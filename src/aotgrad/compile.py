@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import ambient, backward_mutations, observe
+from . import ambient, backward_mutations, observe, zero_tangents
 from .capture_inputs import _primal_name
 from .compilers import boxed, naming, takes_functional_graphs
 from .higher_order import HigherOrder, pristine_copy
@@ -56,6 +56,7 @@ class CompiledForward:
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)
+    _zero_backwards: dict = field(default_factory=dict, repr=False)
 
     def backward(self, example_inputs: Sequence[Any]) -> Callable:
         """The compiled backward, compiling it on first use."""
@@ -78,6 +79,28 @@ class CompiledForward:
         with naming("backward", self.aot_id):
             return boxed(observe.call_compiler("backward", self.bw_compiler, self.bw_module, example_inputs,
                                                log=False))
+
+    def backward_with_none_tangents(self, nones: tuple[bool, ...], args: list) -> list:
+        """Run the backward when the tangents flagged in `nones` came as None (zeros in `args`):
+        a backward specialised for those zeros (zero_tangents.py), compiled once per set; the
+        plain backward where that simplifies nothing or no unchanged copy of the graph is kept."""
+        compiled = self._zero_backwards.get(nones)
+        if compiled is None:
+            compiled = self._zero_backwards[nones] = self._compile_zero_backward(nones, args)
+        return compiled(args)
+
+    def _compile_zero_backward(self, nones: tuple[bool, ...], args: list) -> Callable:
+        source = self.higher_order.bw_graph if self.higher_order is not None else None
+        offset = len(args) - len(nones)
+        gm = source and zero_tangents.specialise(source, {offset + j for j, none in enumerate(nones) if none})
+        if gm is None:
+            return self.backward(args)
+        if not takes_functional_graphs(self.bw_compiler):
+            reinplace(gm)
+        if self.keep_inplace:
+            keep_inplace_ops(gm)
+        with naming("backward", self.aot_id):
+            return boxed(on_roomy_stack(observe.call_compiler, "backward", self.bw_compiler, gm, list(args), log=False))
 
     def backward_under_autocast(self, args: list) -> list:
         """Run the backward as eager's runs when `.backward()` is called under autocast: the

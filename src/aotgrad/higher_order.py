@@ -208,10 +208,18 @@ class HigherOrder:
         if positions and any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals):
             rec = self.recompute(positions)
             rec.check_mutated(self.mutated)
-            recomputed = _call_differentiably(rec.compiled, *primals, *(saved[i] for i in rec.fixed_positions))
+            out = _call_differentiably(rec.compiled, *primals, *(saved[i] for i in rec.fixed_positions),
+                                       *(saved[i].detach() for i in rec.checked_positions))
+            recomputed = out[:len(positions)]
+            # R computed how far its values are from the saved ones (fused into its kernels); only
+            # a value past the tolerance (or a NaN) sends them through the full check.
+            unchecked = set(positions)
+            if rec.checked_positions and bool(out[-1] <= 0):
+                unchecked -= set(rec.checked_positions)
             for i, r in zip(positions, recomputed):
                 if isinstance(r, torch.Tensor) and r.requires_grad:
-                    _check_same(saved[i], r, i)
+                    if i in unchecked:
+                        _check_same(saved[i], r, i)
                     bound[i] = _Rebind.apply(saved[i], r)
         out = _call_differentiably(self.compiled_backward(), *bound, *other, *tangents)
         return list(out) if isinstance(out, (list, tuple)) else [out]
@@ -221,6 +229,7 @@ class HigherOrder:
 class _Recompute:
     compiled: Callable  # (*primals, *fixed saved values) -> the recomputed saved values
     fixed_positions: list[int]  # saved tensors taken as inputs
+    checked_positions: list[int]  # saved tensors R compares its recomputation with (last output)
     needs: dict[int, int]  # primal -> bitmask of the recomputed values whose value flows from it
 
     def check_mutated(self, mutated: dict[int, str]) -> None:
@@ -365,11 +374,49 @@ def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
             "numbers. Run this function eagerly where you need higher-order gradients."
         )
     _refuse_no_grad_values(gm, placeholders)
+    checked = _add_saved_value_check(graph, positions)
     gm.recompile()
     needs = _needs(gm, len(placeholders))
-    log.debug("higher-order recompute: %d saved values recomputed, %d taken as inputs",
-              len(positions), len(fixed_positions))
-    return _Recompute(_compile_graph(h, gm), fixed_positions, needs)
+    log.debug("higher-order recompute: %d saved values recomputed (%d checked in R), %d taken as inputs",
+              len(positions), len(checked), len(fixed_positions))
+    return _Recompute(_compile_graph(h, gm), fixed_positions, checked, needs)
+
+
+def _add_saved_value_check(graph: torch.fx.Graph, positions: tuple[int, ...]) -> list[int]:
+    """Append to R one more output: max over its recomputed values r (with their saved values s as
+    new inputs) of `amax|r - s| - tol * (1 + amax|s|)`, detached. A compiler fuses it into the
+    kernels computing r, where a separate check read each value five more times (a tenth of a
+    force-field step); `_check_same`'s full check runs only when it is positive or NaN. Values of
+    unknown or zero size are left to `_check_same`. Returns the positions checked here."""
+    aten = torch.ops.aten
+    outputs = list(graph.output_node().args[0])
+    last = graph.find_nodes(op="placeholder")[-1]
+    checked: list[int] = []
+    violation = None
+    for i, node in zip(positions, outputs):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
+            continue
+        if any(not isinstance(d, int) for d in val.shape) or val.numel() == 0:
+            continue
+        with graph.inserting_after(last):
+            saved = last = graph.placeholder(f"check_{i}")
+        saved.meta = dict(node.meta)
+        tol = 1e-3 if val.element_size() >= 4 else 2e-2
+        with graph.inserting_before(graph.output_node()):
+            diff = graph.call_function(aten.amax.default, (graph.call_function(aten.abs.default, (
+                graph.call_function(aten.sub.Tensor, (node, saved)),)), []))
+            scale = graph.call_function(aten.amax.default, (graph.call_function(aten.abs.default, (saved,)), []))
+            bound = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.add.Tensor, (scale, 1.0)), tol))
+            v = graph.call_function(aten._to_copy.default, (graph.call_function(aten.sub.Tensor, (diff, bound)),),
+                                    {"dtype": torch.float32})
+            violation = v if violation is None else graph.call_function(aten.maximum.default, (violation, v))
+        checked.append(i)
+    if violation is not None:
+        with graph.inserting_before(graph.output_node()):
+            violation = graph.call_function(aten.detach.default, (violation,))
+        graph.output_node().args = (outputs + [violation],)
+    return checked
 
 
 # Factories that read only their argument's metadata (a random mask is drawn into `empty_like(x)`).

@@ -153,7 +153,11 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     _emit_as_caller_sees(fw, plan, compiled, outs, names, "primals", in_function=True)
     fw.emit(f"outs = {_tuple_src(outs)}")
     unreached = _unreached_when_none(plan, compiled, diff)
-    if unreached:
+    # Outputs that get no gradient are seen as None, for the inputs eager leaves None (below) and
+    # for a backward specialised for their zeros (zero_tangents.py; needs an unchanged copy of the
+    # backward graph, which `higher` keeps).
+    none_aware = bool(unreached) or (len(diff) >= 2 and higher is not None)
+    if none_aware:
         # Outputs that get no gradient arrive as None (not zeros), so that inputs only they reach
         # get None, as in eager; the backward graph gets zeros in their place. Their sizes may be
         # symbolic, so they are read per call; dtype and device come from the traced tangents.
@@ -170,7 +174,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     if n_o:
         parts.append("*ctx.saved_other")
     bw.globals["_contig"] = _contiguous
-    if unreached:
+    if none_aware:
         bw.globals["_zeros"] = torch.zeros
         traced = placeholder_values(compiled.bw_module)[-len(diff):]
         for j, i in enumerate(diff):
@@ -190,6 +194,10 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # inline (compile.CompiledForward.traceable_backward), without the lock or the compiler call.
     bw.globals["_is_compiling"] = torch.compiler.is_compiling
     run_bw = f"({cfw}.traceable_backward(args) if _is_compiling() else {run_bw})"
+    if none_aware and higher is not None:
+        bw.emit(f"nones = {_tuple_src([f't{j} is None' for j in range(len(diff))])}")
+        run_bw = (f"({cfw}.backward_with_none_tangents(nones, args) if True in nones and not _is_compiling() "
+                  f"and not _any_autocast() else {run_bw})")
     # The node lets go of its saved tensors (unless retain_graph keeps them for another backward),
     # so the boxed graph, which clears `args`, frees each activation after its last use: the
     # backward's peak memory is then what the graph needs, not that plus every saved activation.
