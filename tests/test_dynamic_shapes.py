@@ -277,3 +277,96 @@ def test_simplified_under_dynamo_uses_its_symbolic_sizes():
         torch.testing.assert_close(x.grad, x2.grad)
         assert len(graphs) == compiles, b
     torch._dynamo.reset()
+
+
+# -- export with symbolic sizes ------------------------------------------------------------------------
+
+
+class _Counted(nn.Module):
+    def __init__(self, loss: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(3))
+        self.loss = loss
+
+    def forward(self, x):
+        self.calls.add_(1)
+        y = self.lin(x).relu() * x.shape[0]
+        out = y.sum(0) + self.calls
+        return (out.sum(), y.view(-1).detach()) if self.loss else (out, y.view(-1))
+
+
+def _is_free(s) -> bool:
+    """A size still symbolic after the trace's guards (not specialized to a number)."""
+    return isinstance(s, torch.SymInt) and bool(s.node.expr.free_symbols)
+
+
+def _state(mod):
+    return [t.detach().clone() for t in [*mod.parameters(), *mod.buffers()]]
+
+
+@pytest.mark.parametrize("trace_joint", [False, True])
+def test_export_dynamic_shapes_one_graph_for_many_sizes(trace_joint):
+    import copy
+
+    from torch._functorch.aot_autograd import aot_export_module as upstream_export
+
+    torch.manual_seed(0)
+    mod = _Counted(loss=trace_joint)
+    kw = {"trace_joint": trace_joint, "dynamic_shapes": True, "output_loss_index": 0 if trace_joint else None}
+    args = (torch.randn(5, 4),)
+    gm, sig = aotgrad.aot_export_module(copy.deepcopy(mod), args, **kw)
+    up_gm, up_sig = upstream_export(copy.deepcopy(mod), args, **kw)
+    for f in ("parameters", "buffers", "user_inputs"):
+        assert getattr(sig, f) == getattr(up_sig, f), f
+    for f in ("inputs_to_parameters", "inputs_to_buffers"):
+        assert getattr(sig, f) == getattr(up_sig, f), f
+    for f in ("buffers_to_mutate", "user_inputs_to_mutate"):
+        assert list(getattr(sig, f).values()) == list(getattr(up_sig, f).values()), f
+    assert sig.in_spec == up_sig.in_spec and sig.out_spec == up_sig.out_spec
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    up_vals = [n.meta["val"] for n in up_gm.graph.find_nodes(op="placeholder")]
+    shapes = [[_is_free(s) for s in v.shape] for v in vals]
+    assert shapes == [[False, False], [False], [False], [True, False]]
+    if not trace_joint:  # upstream's joint export retraces (make_fx) and specializes its inputs
+        assert shapes == [[_is_free(s) for s in v.shape] for v in up_vals]
+    state = _state(mod)
+    for got, expected in zip(gm(*state, *args), up_gm(*state, *args)):
+        torch.testing.assert_close(got, expected)
+    for b in (2, 7, 11):  # upstream's joint graph is specialized by its retrace; ours is not
+        x = torch.randn(b, 4)
+        ref = copy.deepcopy(mod)
+        with torch.enable_grad() if trace_joint else torch.no_grad():
+            outs = ref(x)
+        n_mut = len(sig.buffers_to_mutate)
+        got = gm(*_state(mod), x)
+        torch.testing.assert_close(got[0], ref.calls)
+        for g, e in zip(got[n_mut:n_mut + 2], outs):
+            torch.testing.assert_close(g, e)
+        if trace_joint:
+            outs[0].backward()
+            for g, p in zip(got[n_mut + 2:], ref.parameters()):
+                torch.testing.assert_close(g, p.grad)
+
+
+def test_export_joint_simple_traces_symbolic_sizes_of_fake_inputs():
+    def f(x, w):
+        return ((x @ w).sin() * x.shape[0],)
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    x = _symbolic_fake(env, torch.randn(5, 4, requires_grad=True), mode)
+    w = mode.from_tensor(torch.randn(4, 3, requires_grad=True), static_shapes=True)
+    gm = aotgrad.aot_export_joint_simple(f, (x, w), trace_joint=True)
+    placeholders = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    assert isinstance(placeholders[0].shape[0], torch.SymInt)
+    for b in (2, 9):
+        xr = torch.randn(b, 4, requires_grad=True)
+        wr = torch.randn(4, 3, requires_grad=True)
+        (out,) = f(xr, wr)
+        tangent = torch.randn_like(out)
+        out.backward(tangent)
+        got = gm(xr.detach(), wr.detach(), tangent)
+        torch.testing.assert_close(got[0], out)
+        torch.testing.assert_close(got[-2], xr.grad)
+        torch.testing.assert_close(got[-1], wr.grad)

@@ -195,6 +195,25 @@ def traceable_fakes(leaves: Sequence[Any]) -> list | None:
             else x for x in leaves]
 
 
+def export_leaves(leaves: list, num_static: int, dynamic: bool | None) -> list:
+    """What an export traces (upstream's `dynamic_shapes`): a caller's fakes as they are (None infers
+    dynamic from them); with True, real user inputs made symbolic (parameters and buffers, the first
+    `num_static` leaves, static); else the leaves themselves (exact sizes)."""
+    fakes = traceable_fakes(leaves)
+    if fakes is not None:
+        return fakes
+    if dynamic:
+        return symbolic_fakes(leaves, num_static) or leaves  # inputs sharing memory are refused later
+    return leaves
+
+
+def export_context(leaves: list):
+    """The symbolic compile context when the leaves are fakes, else nothing."""
+    if any(isinstance(x, FakeTensor) for x in leaves):
+        return compile_context(leaves)
+    return contextlib.nullcontext()
+
+
 # -- compiling one symbolic entry ------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from . import inputs as inputs_stage
 from .api import _functional_call
 from .capture import capture
+from .dynamic_shapes import export_context, export_leaves
 from .errors import UnsupportedInputError, UnsupportedMutationError, UnsupportedOutputError
 from .plan import (
     AliasOfGraphOutput,
@@ -94,9 +95,6 @@ def aot_export_module(
     if pre_dispatch:
         raise UnsupportedInputError("aotgrad.aot_export_module: pre_dispatch graphs are not supported; "
                                     "export with pre_dispatch=False (an aten graph after decompositions).")
-    if dynamic_shapes:
-        raise UnsupportedInputError("aotgrad.aot_export_module: dynamic_shapes is not supported; shapes "
-                                    "are specialized to the example inputs.")
     params = list(mod.named_parameters(remove_duplicate=False))
     buffers = list(mod.named_buffers(remove_duplicate=False))
     state = [t for _, t in params + buffers]
@@ -110,6 +108,7 @@ def aot_export_module(
         if not isinstance(x, torch.Tensor):
             raise UnsupportedInputError(f"aotgrad.aot_export_module: user input {i} is a {type(x).__name__}; "
                                         "the graph takes tensors only (bind it with functools.partial).")
+    leaves = export_leaves(leaves, len(state), dynamic_shapes)  # symbolic sizes (dynamic_shapes.py)
     layout, captured = _capture_for_export(fn, leaves, in_spec, trace_joint, decompositions)
     if layout.leaf_views or any(not isinstance(s, FromLeaf) for s in layout.primal_sources) or (
         list(layout.leaf_primal) != list(range(len(leaves)))
@@ -125,7 +124,7 @@ def _capture_for_export(fn, leaves: list, spec, trace_joint: bool, decomposition
     inputs_stage.check_supported(leaves)
     layout = inputs_stage.layout_for(leaves, spec)
     primals = inputs_stage.primal_values(layout, leaves)
-    with torch.enable_grad() if trace_joint else torch.no_grad():
+    with torch.enable_grad() if trace_joint else torch.no_grad(), export_context(leaves):
         captured = capture(fn, layout, leaves, primals, training=trace_joint,
                            decompositions=decompositions, keep_inference_input_mutations=False)
     return layout, captured
