@@ -24,6 +24,7 @@ import torch.fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from . import export_pre_dispatch
 from . import inputs as inputs_stage
 from .api import _functional_call
 from .capture import capture
@@ -92,9 +93,6 @@ def aot_export_module(
     requires grad. Mutated buffers (and user inputs) come back as extra leading outputs; metadata
     mutations, mutated parameters that require grad, inputs sharing memory, and outputs the graph
     cannot express are refused."""
-    if pre_dispatch:
-        raise UnsupportedInputError("aotgrad.aot_export_module: pre_dispatch graphs are not supported; "
-                                    "export with pre_dispatch=False (an aten graph after decompositions).")
     params = list(mod.named_parameters(remove_duplicate=False))
     buffers = list(mod.named_buffers(remove_duplicate=False))
     state = [t for _, t in params + buffers]
@@ -109,13 +107,16 @@ def aot_export_module(
             raise UnsupportedInputError(f"aotgrad.aot_export_module: user input {i} is a {type(x).__name__}; "
                                         "the graph takes tensors only (bind it with functools.partial).")
     leaves = export_leaves(leaves, len(state), dynamic_shapes)  # symbolic sizes (dynamic_shapes.py)
+    kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * (len(leaves) - len(state))
+    if pre_dispatch:  # the pre-dispatch aten graph, traced on its own (export_pre_dispatch.py)
+        gm, fields = export_pre_dispatch.export(fn, leaves, in_spec, names, kinds, trace_joint, decompositions)
+        return gm, GraphSignature(**fields)
     layout, captured = _capture_for_export(fn, leaves, in_spec, trace_joint, decompositions)
     if layout.leaf_views or any(not isinstance(s, FromLeaf) for s in layout.primal_sources) or (
         list(layout.leaf_primal) != list(range(len(leaves)))
     ):
         raise UnsupportedInputError("aotgrad.aot_export_module: inputs share memory (a tensor passed twice, "
                                     "or views of one tensor); pass independent tensors (.clone()).")
-    kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * (len(leaves) - len(state))
     return _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, output_loss_index)
 
 
