@@ -322,8 +322,8 @@ def aot_function(
 
     Compiles on the first call for each input signature (shapes, strides, dtypes, requires_grad,
     aliasing, non-tensor values, grad mode); later calls with the same signature only run the
-    generated run-time code. `dynamic` is accepted for compatibility: shapes are specialized and a new
-    shape recompiles (never reuses a graph that does not fit). With `disable_functionalization`,
+    generated run-time code. With `dynamic`, sizes are traced as symbols (dynamic_shapes.py): one
+    entry serves every shape its ShapeEnv's guards accept; others compile again. With `disable_functionalization`,
     compilers get graphs whose out-of-place ops are made in place again where safe (upstream's
     non-functional graphs); the trace itself stays functional, so results are the same.
     """
