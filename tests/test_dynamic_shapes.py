@@ -103,6 +103,21 @@ def test_shape_guard_from_the_program_recompiles_when_violated():
         assert len(graphs) == expected, b
 
 
+def test_size_specialized_by_the_program_is_checked_exactly():
+    """`x.shape[1] == 4` specializes that size to 4 (a replacement in the ShapeEnv, no longer a
+    symbol): a call with another width must not reuse the graph."""
+
+    def f(x):
+        return x * 2 if x.shape[1] == 4 else x * 3
+
+    graphs, compiler = _counting()
+    compiled = aotgrad.aot_function(f, compiler, dynamic=True)
+    for (b, n), expected in (((5, 4), 2), ((7, 4), 2), ((5, 6), 4), ((8, 9), 4), ((6, 4), 4)):
+        check_against_eager(f, _det(lambda b=b, n=n: ((x := torch.randn(b, n, requires_grad=True),), (x,))),
+                            compiled=compiled)
+        assert len(graphs) == expected, (b, n)
+
+
 def test_duck_sized_equal_sizes_are_guarded():
     def f(x, y):
         return x @ y

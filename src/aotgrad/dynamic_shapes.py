@@ -235,7 +235,6 @@ def compile_symbolic(compile_fn: Callable, fn: Callable, fakes: list, spec, conf
     return run
 
 
-
 def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool) -> Callable[[Sequence], bool]:
     """A generated check that flat leaves fit the entry compiled from `fakes` (see module
     docstring). `reals` are the caller's values at compile time where known (their types are
@@ -263,8 +262,8 @@ def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool)
                 scope[f"_T{i}"] = type(real)
                 conds.append(f"type({v}) is _T{i}")
             scope[f"_D{i}"], scope[f"_DEV{i}"] = x.dtype, x.device
-            conds += [f"{v}.requires_grad is {x.requires_grad}", f"{v}.dim() == {x.dim()}",
-                      f"{v}.dtype is _D{i}", f"{v}.device == _DEV{i}", f"{v}.layout is torch.strided"]
+            conds += [f"{v}.requires_grad is {x.requires_grad}", f"{v}.dtype is _D{i}", f"{v}.device == _DEV{i}",
+                      f"{v}.layout is torch.strided", f"{v}.dim() == {x.dim()}"]
             if check_aliasing:
                 conds.append(f"{v}.is_leaf is {x.is_leaf}")
         elif isinstance(x, torch.SymInt):
@@ -274,12 +273,8 @@ def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool)
     if check_aliasing:
         scope["_AK"] = alias_key(reals)
         conds.append("_alias_key(args) == _AK")
-    if shape_env_of(fakes) is None:  # fakes without a ShapeEnv have exact sizes
-        for i in first.values():
-            x = fakes[i]
-            scope[f"_S{i}"], scope[f"_ST{i}"] = tuple(x.shape), tuple(x.stride())
-            conds += [f"args[{i}].shape == _S{i}", f"args[{i}].stride() == _ST{i}",
-                      f"args[{i}].storage_offset() == {x.storage_offset()}"]
+    for i in first.values():
+        conds += _static_conditions(i, fakes[i], scope)
     sizes = _shape_condition(fakes, scope)
     if sizes:
         conds.append(f"({sizes})")
@@ -291,10 +286,33 @@ def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool)
     return guard
 
 
+def _as_int(v) -> int | None:
+    """`v` as a number when it is one (an int, or a symbol the trace specialized), else None."""
+    if isinstance(v, int):
+        return v
+    expr = v.node.expr  # with the ShapeEnv's replacements applied
+    return int(expr) if expr.is_number else None
+
+
+def _static_conditions(i: int, x: torch.Tensor, scope: dict) -> list[str]:
+    """Exact checks of tensor `i`'s static sizes, strides and offset: one comparison each for a
+    wholly static tensor (a parameter), per dimension otherwise."""
+    v = f"args[{i}]"
+    sizes, strides, offset = [_as_int(s) for s in x.shape], [_as_int(s) for s in x.stride()], _as_int(
+        x.storage_offset())
+    if None not in sizes and None not in strides and offset is not None:
+        scope[f"_S{i}"], scope[f"_ST{i}"] = torch.Size(sizes), tuple(strides)
+        return [f"{v}.shape == _S{i}", f"{v}.stride() == _ST{i}", f"{v}.storage_offset() == {offset}"]
+    out = [f"{v}.size({d}) == {n}" for d, n in enumerate(sizes) if n is not None]
+    out += [f"{v}.stride({d}) == {n}" for d, n in enumerate(strides) if n is not None]
+    return out + ([f"{v}.storage_offset() == {offset}"] if offset is not None else [])
+
+
 def _shape_condition(fakes: Sequence[Any], scope: dict) -> str | None:
-    """The ShapeEnv's guards on the fakes' own symbols, as a Python expression over `args`: every
-    size, stride and offset (static ones included), each symbol's range, the relations the trace
-    assumed. Guards on other symbols (the rest of a Dynamo frame) are the caller's to check."""
+    """The ShapeEnv's guards on the fakes' own symbols, as a Python expression over `args`: each
+    symbolic size, stride and offset, each symbol's range, the relations the trace assumed (static
+    values are checked by `_static_conditions`). Guards on other symbols (the rest of a Dynamo
+    frame) are the caller's to check."""
     from torch._dynamo.source import LocalSource
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
@@ -306,7 +324,7 @@ def _shape_condition(fakes: Sequence[Any], scope: dict) -> str | None:
     mine = _tensor_symbols(placeholders) | set().union(*(free_symbols(x) for x in placeholders))
     pruned = [g for g in env.guards if g.expr.free_symbols <= mine]
     exprs = env.produce_guards(placeholders, [LocalSource(f"t{i}") for i in positions], guards=pruned,
-                               ignore_static=False)
+                               ignore_static=True)
     if not exprs:
         return None
     scope.update(SYMPY_INTERP)
