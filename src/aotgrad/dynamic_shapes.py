@@ -16,7 +16,9 @@ aotgrad's own cache keys on exact shapes, so a symbolic entry gets its own guard
 everything the signature keys on except sizes, plus the `ShapeEnv`'s guards on the entry's symbols
 (sizes, strides, offsets, the ranges of each symbol, static sizes included), evaluated on the
 call's tensors. A call failing it compiles again (per shape when symbolic tracing cannot serve it);
-a wrong graph is never reused.
+a wrong graph is never reused. Compiled inside Dynamo's tracing context, on its fakes, the entry
+trusts Dynamo's guards as the backend does (its ShapeEnv holds the trace's guards) and checks only
+input aliasing, which Dynamo does not guard.
 """
 
 from __future__ import annotations
@@ -235,13 +237,24 @@ def compile_symbolic(compile_fn: Callable, fn: Callable, fakes: list, spec, conf
     return run
 
 
+def guarded_by_caller(fakes: Sequence[Any]) -> bool:
+    """Whether the fakes are those of the tracing context compiling now (Dynamo's): Dynamo then
+    guards every input property and its ShapeEnv (where the trace put its guards), as for the
+    torch.compile backend, and only what it does not guard (aliasing) is checked per call."""
+    mode = context_fake_mode()
+    return mode is not None and any(isinstance(x, FakeTensor) and x.fake_mode is mode for x in fakes)
+
+
 def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool) -> Callable[[Sequence], bool]:
     """A generated check that flat leaves fit the entry compiled from `fakes` (see module
     docstring). `reals` are the caller's values at compile time where known (their types are
     checked); a fake stands for a plain tensor, a SymInt for an int."""
     scope: dict[str, Any] = {"_grad_enabled": torch.is_grad_enabled, "_alias_key": alias_key,
                              "_any_autocast": any_autocast, "_autocast_key": autocast_key, "_PLAIN": _PLAIN}
-    conds = [f"len(args) == {len(fakes)}", f"_grad_enabled() is {torch.is_grad_enabled()}"]
+    conds = [f"len(args) == {len(fakes)}"]
+    if guarded_by_caller(fakes):
+        return _generated(conds + _aliasing(reals, check_aliasing, scope), scope)
+    conds.append(f"_grad_enabled() is {torch.is_grad_enabled()}")
     ac = autocast_key()
     if ac:
         scope["_AC"] = ac
@@ -270,14 +283,23 @@ def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool)
             conds.append(f"type({v}) is int")
         else:
             conds += guards.guard_condition(x, v, i, scope)
-    if check_aliasing:
-        scope["_AK"] = alias_key(reals)
-        conds.append("_alias_key(args) == _AK")
+    conds += _aliasing(reals, check_aliasing, scope)
     for i in first.values():
         conds += _static_conditions(i, fakes[i], scope)
     sizes = _shape_condition(fakes, scope)
     if sizes:
         conds.append(f"({sizes})")
+    return _generated(conds, scope)
+
+
+def _aliasing(reals: Sequence[Any], check_aliasing: bool, scope: dict) -> list[str]:
+    if not check_aliasing:
+        return []
+    scope["_AK"] = alias_key(reals)
+    return ["_alias_key(args) == _AK"]
+
+
+def _generated(conds: list[str], scope: dict) -> Callable[[Sequence], bool]:
     src = "def guard(args):\n    return (\n        " + "\n        and ".join(conds) + "\n    )\n"
     scope["torch"] = torch
     exec(compile(src, "<aotgrad symbolic guard>", "exec"), scope)
