@@ -50,9 +50,11 @@ def _inputs(b, n=4):
     return make
 
 
-def test_one_graph_serves_many_batch_sizes():
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_one_graph_serves_many_batch_sizes(partition):
     graphs, compiler = _counting()
-    compiled = aotgrad.aot_function(_mlp, compiler, dynamic=True)
+    part = {"default": aotgrad.default_partition, "min_cut": aotgrad.min_cut_rematerialization_partition}[partition]
+    compiled = aotgrad.aot_function(_mlp, compiler, partition_fn=part, dynamic=True)
     for b in (3, 5, 8, 13):
         check_against_eager(_mlp, _inputs(b), compiled=compiled)
     assert len(graphs) == 2, "forward and backward compiled once for four batch sizes"
