@@ -387,3 +387,15 @@ def test_export_joint_simple_traces_symbolic_sizes_of_fake_inputs():
         torch.testing.assert_close(got[0], out)
         torch.testing.assert_close(got[-2], xr.grad)
         torch.testing.assert_close(got[-1], wr.grad)
+
+
+def test_data_dependent_op_still_refused_with_dynamic():
+    """A symbolic trace of masked_select makes an unbacked size; the graph would carry no check of
+    what was assumed about it, so dynamic=True refuses it as static tracing does."""
+
+    def f(x):
+        return torch.masked_select(x, x > 0) * 2
+
+    compiled = aotgrad.aot_function(f, aotgrad.nop, dynamic=True)
+    with pytest.raises(aotgrad.DataDependentError):
+        compiled(torch.randn(5))

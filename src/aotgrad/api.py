@@ -196,7 +196,7 @@ class CompiledFunction:
                 run = None
                 if self.config.dynamic:  # one entry for many shapes, guarded by its ShapeEnv
                     fakes = dynamic_shapes.symbolic_fakes(leaves, self.config.num_params_buffers)
-                    run = self._compile_symbolic(leaves, spec, fakes) if fakes is not None else None
+                    run = self._compile_symbolic(leaves, spec, fakes, own=True) if fakes is not None else None
                 if run is None:
                     run = compile_signature(fn, leaves, spec, self.config)
             except DATA_DEPENDENT as e:
@@ -213,11 +213,12 @@ class CompiledFunction:
             weakref.finalize(ref(), _forget, weakref.ref(self), key)
         return run
 
-    def _compile_symbolic(self, leaves: list, spec, fakes: list, propagate=(lifting.NeedsLifting,)):
+    def _compile_symbolic(self, leaves: list, spec, fakes: list, propagate=(lifting.NeedsLifting,), own=False):
         """Compile from fakes with symbolic sizes and keep the entry with its own guard (the
         ShapeEnv's); None when symbolic sizes cannot serve this program (compiled per shape)."""
         fn = lifting.with_lifted(self.fn, self.lifted)
-        run = dynamic_shapes.compile_symbolic(compile_signature, fn, fakes, spec, self.config, propagate=propagate)
+        run = dynamic_shapes.compile_symbolic(compile_signature, fn, fakes, spec, self.config, propagate=propagate,
+                                              own_shape_env=own)
         if run is None:
             return None
         run.symbolic_guard = dynamic_shapes.call_guard(fakes, leaves, _plan_depends_on_aliasing(run.plan))

@@ -219,10 +219,14 @@ def export_context(leaves: list):
 # -- compiling one symbolic entry ------------------------------------------------------------------------
 
 
-def compile_symbolic(compile_fn: Callable, fn: Callable, fakes: list, spec, config, *, propagate=()):
+def compile_symbolic(compile_fn: Callable, fn: Callable, fakes: list, spec, config, *, propagate=(),
+                     own_shape_env: bool = False):
     """`compile_fn(fn, fakes, spec, config)` (api.compile_signature) under the symbolic compile
     context; None (the caller then compiles per shape) when the trace fails on symbolic sizes or the
-    plan needs concrete ones. Exceptions in `propagate` (retrace requests) pass through."""
+    plan needs concrete ones. Exceptions in `propagate` (retrace requests) pass through. In a
+    ShapeEnv of our own (`aot_function(dynamic=True)`), a trace that made data-dependent (unbacked)
+    sizes is not kept either: the graph would carry no checks of what the trace assumed about them,
+    so the per-shape compile refuses such ops (`DataDependentError`) as without `dynamic`."""
     try:
         with compile_context(fakes):
             run = compile_fn(fn, fakes, spec, config)
@@ -233,6 +237,10 @@ def compile_symbolic(compile_fn: Callable, fn: Callable, fakes: list, spec, conf
         return None
     if needs_concrete_sizes(run.plan):
         log.debug("aotgrad: the run-time plan needs concrete sizes; compiling per shape")
+        return None
+    env = shape_env_of(fakes)
+    if own_shape_env and env is not None and (env.unbacked_symint_counter or env.unbacked_symfloat_counter):
+        log.debug("aotgrad: the symbolic trace made data-dependent sizes; compiling per shape")
         return None
     return run
 
