@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import aotgrad
+from aotgrad.errors import DataDependentError
 from aotgrad.testing import check_against_eager
 
 
@@ -397,5 +398,5 @@ def test_data_dependent_op_still_refused_with_dynamic():
         return torch.masked_select(x, x > 0) * 2
 
     compiled = aotgrad.aot_function(f, aotgrad.nop, dynamic=True)
-    with pytest.raises(aotgrad.DataDependentError):
+    with pytest.raises(DataDependentError):
         compiled(torch.randn(5))
