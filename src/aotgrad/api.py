@@ -426,11 +426,12 @@ def aot_module_simplified(
         )
 
     module_state = ModuleState(mod, _named_state, make)
-    if not ignore_shape_env and isinstance(mod, torch.fx.GraphModule) and dynamic_shapes.context_fake_mode():
-        args = dynamic_shapes.caller_fakes(mod, list(args))  # called by Dynamo: its fakes and ShapeEnv
     # Compiled now from the example inputs, as upstream does: what aotgrad refuses is raised here.
     compiled, state = module_state.current()
-    compiled.prepare(*state, *args)
+    if not ignore_shape_env and isinstance(mod, torch.fx.GraphModule) and dynamic_shapes.context_fake_mode():
+        compiled.prepare(*state, *dynamic_shapes.caller_fakes(mod, list(args)))  # Dynamo's fakes and ShapeEnv
+    if not compiled.symbolic:  # no symbolic entry (none asked for, or it cannot serve): these shapes
+        compiled.prepare(*state, *args)
 
     def forward(*runtime_args):
         compiled, state = module_state.current()
