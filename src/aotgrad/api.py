@@ -23,12 +23,12 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from . import config as config_module
-from . import guards, lifting, observe
+from . import dynamic_shapes, guards, lifting, observe
 from . import inputs as inputs_stage
 from .capture import capture
 from .capture_state import NeedsSyntheticBase, NeedsTraining
 from .compile import compile_inference, compile_training
-from .errors import DataDependentError
+from .errors import AotgradError, DataDependentError
 from .interpreter_stack import on_roomy_stack
 from .module_state import ModuleState
 from .partition import default_partition
@@ -135,6 +135,7 @@ class CompiledFunction:
         self.fast: list[tuple[Callable, Callable]] = []  # (guard, run) for flat positional calls
         self.lifted: tuple[torch.Tensor, ...] = ()  # closed-over tensors requiring grad, passed first
         self.recompiles: list[str] = []  # why each signature after the first was compiled
+        self.symbolic: list[tuple] = []  # (spec, guard, run) per entry serving many shapes (dynamic_shapes.py)
         self._warned: set[str] = set()
         self.__wrapped__ = fn
 
@@ -154,12 +155,15 @@ class CompiledFunction:
         surfaces here, and the first call with the same signature finds the compiled entry."""
         args = (*self.lifted, *args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if inputs_stage.being_traced(leaves):
-            return
-        key = inputs_stage.signature(leaves, spec)
-        if key in self.cache or len(self.cache) >= max(1, config_module.recompile_hard_limit):
-            return
         try:
+            if inputs_stage.being_traced(leaves):
+                fakes = dynamic_shapes.traceable_fakes(leaves)
+                if fakes is not None:  # a caller's fakes (Dynamo's): compile from them, guards into its ShapeEnv
+                    self._compile_symbolic(leaves, spec, fakes, propagate=(lifting.NeedsLifting, AotgradError))
+                return
+            key = inputs_stage.signature(leaves, spec)
+            if key in self.cache or len(self.cache) >= max(1, config_module.recompile_hard_limit):
+                return
             self._compile(leaves, spec, key, args, kwargs)
         except lifting.NeedsLifting as found:
             self._lift(found.tensors)
@@ -172,6 +176,8 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         key = inputs_stage.signature(leaves, spec)
         run = self.cache.get(key)
+        if run is None and self.symbolic:
+            run = dynamic_shapes.find(self.symbolic, leaves, spec)
         if run is None:
             if len(self.cache) >= max(1, config_module.recompile_hard_limit):
                 return self._run_eagerly(args, kwargs)
@@ -187,17 +193,38 @@ class CompiledFunction:
         fn = lifting.with_lifted(self.fn, self.lifted)
         with observe.graph_logging(self.config.enable_log):
             try:
-                run = compile_signature(fn, leaves, spec, self.config)
+                run = None
+                if self.config.dynamic:  # one entry for many shapes, guarded by its ShapeEnv
+                    fakes = dynamic_shapes.symbolic_fakes(leaves, self.config.num_params_buffers)
+                    run = self._compile_symbolic(leaves, spec, fakes, own=True) if fakes is not None else None
+                if run is None:
+                    run = compile_signature(fn, leaves, spec, self.config)
             except DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
         if previous is not None:
             self._note_recompile(previous, key, args, kwargs)
         self.cache[key] = run
-        guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
+        guard = None
+        if getattr(run, "symbolic_guard", None) is None:  # a symbolic entry's guard is in self.fast
+            guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
         if guard is not None:
             self.fast.insert(0, (guard, run))
         for ref in guards.weak_parts(key):  # forget the entry when the object it was keyed on dies
             weakref.finalize(ref(), _forget, weakref.ref(self), key)
+        return run
+
+    def _compile_symbolic(self, leaves: list, spec, fakes: list, propagate=(lifting.NeedsLifting,), own=False):
+        """Compile from fakes with symbolic sizes and keep the entry with its own guard (the
+        ShapeEnv's); None when symbolic sizes cannot serve this program (compiled per shape)."""
+        fn = lifting.with_lifted(self.fn, self.lifted)
+        run = dynamic_shapes.compile_symbolic(compile_signature, fn, fakes, spec, self.config, propagate=propagate,
+                                              own_shape_env=own)
+        if run is None:
+            return None
+        run.symbolic_guard = dynamic_shapes.call_guard(fakes, leaves, _plan_depends_on_aliasing(run.plan))
+        self.symbolic.insert(0, (spec, run.symbolic_guard, run))
+        if dynamic_shapes.flat_positional(leaves, spec):
+            self.fast.insert(0, (run.symbolic_guard, run))
         return run
 
     def _lift(self, tensors: list[torch.Tensor]) -> None:
@@ -207,6 +234,7 @@ class CompiledFunction:
         self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
         self.cache.clear()  # earlier entries take fewer leading arguments
         self.fast.clear()
+        self.symbolic.clear()
 
     def _relift(self) -> None:
         """Pass the tensors now found where the lifted ones were; when one is gone or no longer
@@ -219,6 +247,7 @@ class CompiledFunction:
             self.lifted = ()
             self.cache.clear()
             self.fast.clear()
+            self.symbolic.clear()
 
     def _note_recompile(self, previous: tuple, key: tuple, args: tuple, kwargs: dict) -> None:
         names = guards.leaf_names(args, kwargs, len(self.lifted))
@@ -255,6 +284,7 @@ def _forget(ref: weakref.ref, key: tuple) -> None:
         return
     run = compiled.cache.pop(key, None)
     compiled.fast = [(g, r) for g, r in compiled.fast if r is not run]
+    compiled.symbolic = [e for e in compiled.symbolic if e[2] is not run]
 
 
 DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
@@ -293,8 +323,8 @@ def aot_function(
 
     Compiles on the first call for each input signature (shapes, strides, dtypes, requires_grad,
     aliasing, non-tensor values, grad mode); later calls with the same signature only run the
-    generated run-time code. `dynamic` is accepted for compatibility: shapes are specialized and a new
-    shape recompiles (never reuses a graph that does not fit). With `disable_functionalization`,
+    generated run-time code. With `dynamic`, sizes are traced as symbols (dynamic_shapes.py): one
+    entry serves every shape its ShapeEnv's guards accept; others compile again. With `disable_functionalization`,
     compilers get graphs whose out-of-place ops are made in place again where safe (upstream's
     non-functional graphs); the trace itself stays functional, so results are the same.
     """
@@ -398,7 +428,10 @@ def aot_module_simplified(
     module_state = ModuleState(mod, _named_state, make)
     # Compiled now from the example inputs, as upstream does: what aotgrad refuses is raised here.
     compiled, state = module_state.current()
-    compiled.prepare(*state, *args)
+    if not ignore_shape_env and isinstance(mod, torch.fx.GraphModule) and dynamic_shapes.context_fake_mode():
+        compiled.prepare(*state, *dynamic_shapes.caller_fakes(mod, list(args)))  # Dynamo's fakes and ShapeEnv
+    if not compiled.symbolic:  # no symbolic entry (none asked for, or it cannot serve): these shapes
+        compiled.prepare(*state, *args)
 
     def forward(*runtime_args):
         compiled, state = module_state.current()

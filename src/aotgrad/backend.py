@@ -64,7 +64,6 @@ from .api import AOTConfig, _functional_call, _named_state, _plan_depends_on_ali
 from .backend_context import (
     BackendCompileError,
     _compile_context,
-    _context_fake_mode,
     _describe_failure,
     _must_propagate,
 )
@@ -82,12 +81,14 @@ from .backend_shapes import (
     _concrete,
     _fake_anchors,
     _ignoring_anchors,
-    _is_symbolic,
     _PerShape,
-    _plan_needs_concrete_sizes,
-    _sizes_determined,
 )
 from .compilers import nop, wants_functional_graphs
+from .dynamic_shapes import caller_fakes as _fake_inputs
+from .dynamic_shapes import fake_state as _fake_state
+from .dynamic_shapes import is_symbolic as _is_symbolic
+from .dynamic_shapes import needs_concrete_sizes as _plan_needs_concrete_sizes
+from .dynamic_shapes import sizes_determined as _sizes_determined
 from .input_checks import InputsChecked
 from .inputs import alias_key, is_wrapper
 from .interpreter_stack import on_roomy_stack
@@ -473,43 +474,8 @@ def _bind_state(run: Callable, state: list) -> Callable:
     return forward
 
 
-def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list:
-    """Fake inputs in the backend's fake mode (TracingContext.fake_mode), with the symbolic sizes
-    Dynamo decided on (its per-tensor symbolic context); real examples when there is no context."""
-    from torch._guards import TracingContext
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    ctx = TracingContext.try_get()
-    mode = ctx.fake_mode if ctx is not None else None
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out = []
-    for i, x in enumerate(example_inputs):
-        ev = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
-        if mode is None or not isinstance(x, torch.Tensor):
-            # A SymInt input: keep the symbol Dynamo traced with (guards refer to it).
-            out.append(ev if isinstance(ev, torch.SymInt) and not isinstance(x, torch.SymInt) else x)
-            continue
-        if isinstance(x, FakeTensor):
-            out.append(x if x.fake_mode is mode else mode.from_tensor(x))
-            continue
-        sym_ctx = ctx.tensor_to_context.get(x) if hasattr(ctx.tensor_to_context, "get") else None
-        if sym_ctx is not None:
-            out.append(mode.from_tensor(x, symbolic_context=sym_ctx, source=sym_ctx.tensor_source, trace=False))
-        else:
-            out.append(mode.from_tensor(x, static_shapes=True))
-    return out
 
 
-def _fake_state(state: list, fakes: list) -> list:
-    """Parameters/buffers still attached to Dynamo's graph (not lifted), as static fakes."""
-    if not state:
-        return []
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode([x for x in fakes if isinstance(x, torch.Tensor)]) or _context_fake_mode()
-    if mode is None:
-        return list(state)
-    return [mode.from_tensor(t, static_shapes=True) for t in state]
 
 
 def _takes(fn: Callable, name: str) -> bool:

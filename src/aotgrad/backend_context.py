@@ -4,7 +4,6 @@ and `BackendCompileError` with the failure description (the op, the input names,
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import linecache
 import traceback
@@ -12,7 +11,7 @@ import traceback
 import torch
 import torch.fx
 
-from . import config
+from . import config, dynamic_shapes
 from .api import _named_state
 from .errors import AotgradError
 
@@ -23,29 +22,9 @@ class BackendCompileError(AotgradError):
     """aotgrad could not compile a graph Dynamo handed it (see the message for the op and line)."""
 
 
-def _context_fake_mode():
-    from torch._guards import TracingContext
-
-    ctx = TracingContext.try_get()
-    return ctx.fake_mode if ctx is not None else None
-
-
-@contextlib.contextmanager
-def _compile_context(leaves: list):
-    """Dynamo's tracing context (or a new one for our fake mode) and the python dispatcher, which
-    symbolic-shape decompositions need."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch.fx.experimental.proxy_tensor import enable_python_dispatcher
-
-    ctx = TracingContext.try_get()
-    stack = contextlib.ExitStack()
-    with stack:
-        if ctx is None:
-            mode = detect_fake_mode([x for x in leaves if isinstance(x, torch.Tensor)])
-            if mode is not None:
-                stack.enter_context(tracing(TracingContext(mode)))
-        stack.enter_context(enable_python_dispatcher())
-        yield
+# Shared with aot_function(dynamic=True), aot_module_simplified and export (dynamic_shapes.py).
+_context_fake_mode = dynamic_shapes.context_fake_mode
+_compile_context = dynamic_shapes.compile_context
 
 
 def _must_propagate(e: BaseException) -> bool:

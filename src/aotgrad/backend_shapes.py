@@ -15,8 +15,9 @@ from torch.utils import _pytree as pytree
 
 from . import config
 from .api import AOTConfig, CompiledFunction, _plan_depends_on_aliasing, compile_signature
-from .backend_context import _context_fake_mode, _describe_failure, _must_propagate
-from .plan import symbols_in
+from .backend_context import _describe_failure, _must_propagate
+from .dynamic_shapes import context_fake_mode as _context_fake_mode
+from .dynamic_shapes import free_symbols as _free_symbols
 
 
 class _PerShape:
@@ -120,39 +121,3 @@ def _concrete(example_inputs: list) -> list:
             x = int(hint) if hint is not None else x
         out.append(x)
     return out
-
-
-def _is_symbolic(x: Any) -> bool:
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    if isinstance(x, torch.Tensor):
-        return any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride(), x.storage_offset()))
-    return False
-
-
-def _free_symbols(x) -> set:
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return set(x.node.expr.free_symbols)
-    return set()
-
-
-def _sizes_determined(leaves: list) -> bool:
-    """Every symbol of a SymInt input appears in some tensor input's sizes/strides/offset (so the
-    compiled graphs can read it off the tensors; Dynamo passes such SymInts alongside)."""
-    known: set = set()
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            for s in (*x.shape, *x.stride(), x.storage_offset()):
-                known |= _free_symbols(s)
-    need: set = set()
-    for x in leaves:
-        if not isinstance(x, torch.Tensor):
-            need |= _free_symbols(x)
-    return need <= known
-
-
-def _plan_needs_concrete_sizes(plan) -> bool:
-    """Would the generated run time bake in a symbolic value (a view argument, a restride) that it
-    cannot read off the inputs per call (`Plan.symbol_sources`)?"""
-    bound = {s.name for s in plan.symbol_sources}
-    return any(str(s) not in bound for s in symbols_in(plan))

@@ -24,9 +24,11 @@ import torch.fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from . import export_pre_dispatch
 from . import inputs as inputs_stage
 from .api import _functional_call
 from .capture import capture
+from .dynamic_shapes import export_context, export_leaves
 from .errors import UnsupportedInputError, UnsupportedMutationError, UnsupportedOutputError
 from .plan import (
     AliasOfGraphOutput,
@@ -91,12 +93,6 @@ def aot_export_module(
     requires grad. Mutated buffers (and user inputs) come back as extra leading outputs; metadata
     mutations, mutated parameters that require grad, inputs sharing memory, and outputs the graph
     cannot express are refused."""
-    if pre_dispatch:
-        raise UnsupportedInputError("aotgrad.aot_export_module: pre_dispatch graphs are not supported; "
-                                    "export with pre_dispatch=False (an aten graph after decompositions).")
-    if dynamic_shapes:
-        raise UnsupportedInputError("aotgrad.aot_export_module: dynamic_shapes is not supported; shapes "
-                                    "are specialized to the example inputs.")
     params = list(mod.named_parameters(remove_duplicate=False))
     buffers = list(mod.named_buffers(remove_duplicate=False))
     state = [t for _, t in params + buffers]
@@ -110,13 +106,17 @@ def aot_export_module(
         if not isinstance(x, torch.Tensor):
             raise UnsupportedInputError(f"aotgrad.aot_export_module: user input {i} is a {type(x).__name__}; "
                                         "the graph takes tensors only (bind it with functools.partial).")
+    leaves = export_leaves(leaves, len(state), dynamic_shapes)  # symbolic sizes (dynamic_shapes.py)
+    kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * (len(leaves) - len(state))
+    if pre_dispatch:  # the pre-dispatch aten graph, traced on its own (export_pre_dispatch.py)
+        gm, fields = export_pre_dispatch.export(fn, leaves, in_spec, names, kinds, trace_joint, decompositions)
+        return gm, GraphSignature(**fields)
     layout, captured = _capture_for_export(fn, leaves, in_spec, trace_joint, decompositions)
     if layout.leaf_views or any(not isinstance(s, FromLeaf) for s in layout.primal_sources) or (
         list(layout.leaf_primal) != list(range(len(leaves)))
     ):
         raise UnsupportedInputError("aotgrad.aot_export_module: inputs share memory (a tensor passed twice, "
                                     "or views of one tensor); pass independent tensors (.clone()).")
-    kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * (len(leaves) - len(state))
     return _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, output_loss_index)
 
 
@@ -125,7 +125,7 @@ def _capture_for_export(fn, leaves: list, spec, trace_joint: bool, decomposition
     inputs_stage.check_supported(leaves)
     layout = inputs_stage.layout_for(leaves, spec)
     primals = inputs_stage.primal_values(layout, leaves)
-    with torch.enable_grad() if trace_joint else torch.no_grad():
+    with torch.enable_grad() if trace_joint else torch.no_grad(), export_context(leaves):
         captured = capture(fn, layout, leaves, primals, training=trace_joint,
                            decompositions=decompositions, keep_inference_input_mutations=False)
     return layout, captured
