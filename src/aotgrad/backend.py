@@ -88,6 +88,7 @@ from .backend_shapes import (
     _sizes_determined,
 )
 from .compilers import nop, wants_functional_graphs
+from .distributed import on_rank
 from .input_checks import InputsChecked
 from .inputs import alias_key, is_wrapper
 from .interpreter_stack import on_roomy_stack
@@ -191,7 +192,7 @@ class AotgradBackend:
         except Exception as e:
             if _must_propagate(e):
                 raise
-            err = e if isinstance(e, BackendCompileError) else _describe_failure(e, gm)
+            err = on_rank(e if isinstance(e, BackendCompileError) else _describe_failure(e, gm))
             if config.fallback_to_eager:
                 warnings.warn(f"{err} Running this graph eagerly (aotgrad.config.fallback_to_eager).", stacklevel=2)
                 return _no_dynamo(gm.forward)
