@@ -228,6 +228,20 @@ def scenario_funcol(rank: int, backend: str) -> dict:
     }
 
 
+def scenario_fsdp_fullgraph(rank: int, backend: str) -> dict:
+    """Whether FSDP2's hooks trace into one graph (fullgraph, compiled autograd): in torch 2.13 they
+    are wrapped in torch._dynamo.disable, so Dynamo refuses; the error text is reported."""
+    model = _fsdp(True, None)
+    torch._dynamo.reset()
+    x = batches(rank)[0][0]
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    except Exception as e:
+        return {"traced": False, "error_type": type(e).__name__, "message": str(e)[:3000]}
+    return {"traced": True}
+
+
 @torch.library.custom_op("aotgrad_dist_test::twice", mutates_args=())
 def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2

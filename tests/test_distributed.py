@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 # fail_on_rank1 last: it ends the process group.
-SHARED = ["ddp", "fsdp_reshard", "fsdp_no_reshard", "funcol", "fsdp_compiled_step", "tensor_parallel", "fail_on_rank1"]
+SHARED = ["ddp", "fsdp_reshard", "fsdp_no_reshard", "funcol", "fsdp_compiled_step", "tensor_parallel", "fsdp_fullgraph",
+          "fail_on_rank1"]
 TOL = {"aotgrad_eager": 1e-6, "aotgrad": 1e-4}  # Inductor reassociates float sums
 
 
@@ -91,6 +92,16 @@ def test_tensor_parallel_mlp(eager_graphs):
     ranks = _ok(eager_graphs, "tensor_parallel")
     for rank, r in enumerate(ranks):
         assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, r)
+
+
+def test_fsdp2_hooks_do_not_trace_into_one_graph_in_this_torch(eager_graphs):
+    """ARCHITECTURE.md ("Scale-out"): torch 2.13 wraps FSDP2's hooks in torch._dynamo.disable, so
+    fullgraph compiles of an FSDP2 module are refused by Dynamo, before aotgrad sees a graph. If a
+    later torch traces them, this fails: then make that path work and test it."""
+    for r in _ok(eager_graphs, "fsdp_fullgraph"):
+        assert not r["traced"], r
+        assert r["error_type"] == "Unsupported", r
+        assert "`disable`" in r["message"] and "_fsdp_common.py" in r["message"], r
 
 
 def test_failing_compile_raises_on_its_rank_and_nothing_hangs(eager_graphs):
