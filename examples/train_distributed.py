@@ -142,7 +142,6 @@ class Run:
     """One variant of one strategy, stepping when asked."""
 
     def __init__(self, strategy, variant, args, device, batches):
-        torch._dynamo.reset()
         self.name, self.batches, self.device = variant, batches, device
         self.loss_fn, self.model, self.opt, self.step_fn, self.note = build(strategy, variant, args, device)
         self.result = trainer.RunResult(variant)
@@ -176,6 +175,7 @@ def train_strategy(strategy: str, args, device, batches, rank: int) -> dict:
     results = {}
     for v in variants:
         try:
+            torch._dynamo.reset()  # one variant at a time: no compiled code shared between them
             run = Run(strategy, v, args, device, batches)
             if rank == 0 and run.note:
                 print(f"   note: {run.note}", flush=True)
@@ -197,6 +197,7 @@ def train_strategy(strategy: str, args, device, batches, rank: int) -> dict:
 
 def bench_strategy(strategy: str, args, device, batches) -> dict:
     """aotgrad and inductor built side by side, taking turns one step each (another first each step)."""
+    torch._dynamo.reset()
     runs = [Run(strategy, v, args, device, batches) for v in ("aotgrad", "inductor")]
     for i in range(args.steps):
         order = runs if i % 2 == 0 else runs[::-1]

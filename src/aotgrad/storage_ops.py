@@ -71,9 +71,7 @@ def all_gather_copy_in(all_gather_inputs, all_gather_output, inp_split_sizes, al
 
 def decomposition(func):
     """The Python function to trace in place of `func`, for custom ops whose schema understates
-    what they do; else None."""
-    fsdp = getattr(torch.ops, "fsdp", None)
-    op = getattr(fsdp, "all_gather_copy_in", None) if fsdp is not None else None
-    if op is not None and func is op.default:
+    what they do; else None. (Names compared, not ops looked up: this runs on every traced op.)"""
+    if getattr(func, "namespace", None) == "fsdp" and getattr(func, "_opname", None) == "all_gather_copy_in":
         return all_gather_copy_in
     return None
