@@ -7,7 +7,7 @@ N ?= 2000
 SEED ?= 0
 ORDER ?= 1
 
-.PHONY: install browser demo demo-small test test-long bench lint fuzz explain-demo clean
+.PHONY: install browser demo demo-small demo-distributed test test-long bench lint fuzz explain-demo clean
 
 install: $(VENV)/.installed browser
 
@@ -28,6 +28,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(BIN)/python examples/train_gpt2.py
+
+# 2 ranks (gloo on CPU, NCCL with CUDA): DDP and FSDP2, eager / aotgrad / inductor; a few minutes on 2 cores.
+demo-distributed: install
+	$(BIN)/torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
 
 demo-small: install
 	$(BIN)/python examples/demo.py

@@ -10,11 +10,14 @@
    through torch.compile(backend="aotgrad") vs eager; target ratio <= 0.7 (force_field_bench.py).
 6. Warm start: the first training step in a fresh process whose on-disk caches an earlier process
    filled, aotgrad vs upstream Inductor, cold numbers beside it (warm_start_bench.py).
+7. Scale-out: the demo's GPT-2 on 2 ranks (torchrun) under DDP and FSDP2, aotgrad vs upstream
+   Inductor taking turns step by step; target ratio <= 1.0 (distributed_bench.py).
 
 Options: --repeats N (cold compiles per model and implementation, median; default 9),
 --number N and --overhead-repeats N (timeit calls per sample and samples; default 3000 and 7),
 --only NAME[,NAME] (compile-time models), --skip-compile, --skip-overhead, --skip-partition,
---skip-backend, --skip-force-field, --skip-fresh-compile, --skip-warm-start, --json PATH.
+--skip-backend, --skip-force-field, --skip-fresh-compile, --skip-warm-start, --skip-distributed,
+--json PATH.
 """
 
 from __future__ import annotations
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the force-field training step (second-order gradients; ~1-2 min)")
     p.add_argument("--skip-warm-start", action="store_true",
                    help="skip the warm-start benchmark (fresh processes with filled caches, ~15 min)")
+    p.add_argument("--skip-distributed", action="store_true",
+                   help="skip the 2-rank DDP/FSDP2 step-time benchmark (~3-5 min)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args(argv)
 
@@ -195,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         import warm_start_bench
 
         warm_start_bench.main(["--repeats", "2"])
+    if not args.skip_distributed:
+        import distributed_bench
+
+        dres = distributed_bench.run(20, log=log)
+        summaries += distributed_bench.report(dres)
+        raw["distributed"] = dres
 
     print()
     print("== Summary ==")

@@ -84,6 +84,7 @@ from .backend_shapes import (
     _PerShape,
 )
 from .compilers import nop, wants_functional_graphs
+from .distributed import on_rank
 from .dynamic_shapes import caller_fakes as _fake_inputs
 from .dynamic_shapes import fake_state as _fake_state
 from .dynamic_shapes import is_symbolic as _is_symbolic
@@ -192,7 +193,7 @@ class AotgradBackend:
         except Exception as e:
             if _must_propagate(e):
                 raise
-            err = e if isinstance(e, BackendCompileError) else _describe_failure(e, gm)
+            err = on_rank(e if isinstance(e, BackendCompileError) else _describe_failure(e, gm))
             if config.fallback_to_eager:
                 warnings.warn(f"{err} Running this graph eagerly (aotgrad.config.fallback_to_eager).", stacklevel=2)
                 return _no_dynamo(gm.forward)

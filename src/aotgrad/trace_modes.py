@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils import _pytree as pytree
 
-from . import analysis, rnn
+from . import analysis, rnn, storage_ops
 from .errors import (
     UnsupportedAliasingError,
     UnsupportedMutationError,
@@ -49,6 +49,11 @@ class Functionalize(FunctionalTensorMode):
         self.last_metadata_op = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if storage_ops.kept_in_graph(func, args, kwargs):  # FSDP2's set_ of a parameter under no_grad
+            func = storage_ops.IN_GRAPH_SET
+        if (decomposed := storage_ops.decomposition(func)) is not None:
+            with self:
+                return decomposed(*args, **(kwargs or {}))
         is_metadata_op = torch.Tag.inplace_view in getattr(func, "tags", ())
         is_view_op = bool(args) and isinstance(args[0], torch.Tensor) and analysis.is_view_op(func)
         if self.metadata_ops:
