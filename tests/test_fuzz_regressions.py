@@ -1439,3 +1439,35 @@ def test_write_through_an_empty_view_taken_before_a_restride_of_its_base_is_refu
     r = _leaf(1, 3)
     with pytest.raises(UnsupportedMutationError, match="taken before the in-place aten.t_.default"):
         aot_function(f, nop)(torch.randn(()), r.clone())
+
+
+def test_view_of_an_input_marked_requires_grad_is_a_new_leaf_and_refused():
+    """Seed 1 program 2465 (the strict 20,000-program run): `v = a[1]; v.requires_grad_()` on an
+    input that does not require grad makes the view an autograd leaf of its own; eager's output
+    `a * v` requires grad, aotgrad's came back detached. Such a view is a new leaf like any tensor
+    the program marks (a view taken under no_grad of an input that requires grad stays allowed)."""
+    from aotgrad.errors import UnsupportedOutputError
+
+    def f(a0):
+        v0 = a0[1]
+        v0.requires_grad_()
+        return ((a0 * v0).permute(2, 0, 1),)
+
+    with pytest.raises(UnsupportedOutputError, match="marked with requires_grad_"):
+        aot_function(f, nop)(torch.randn(2, 4, 3))
+
+
+def test_view_of_a_detached_input_taken_before_it_is_marked_requires_grad_is_refused():
+    """Seed 1 program 3321 (a crash): `v1 = a.detach(); v2 = v1.as_strided((), (), 0);
+    v1.requires_grad_()` makes v2 a view that requires grad with no grad_fn (eager returns it so);
+    tracing its backward failed inside autograd. Its base is a new leaf: refused by name."""
+    from aotgrad.errors import UnsupportedOutputError
+
+    def f(a1):
+        v1 = a1.detach()
+        v2 = v1.as_strided((), (), 0)
+        v1.requires_grad_()
+        return (v2,)
+
+    with pytest.raises(UnsupportedOutputError, match="output 0 is a leaf tensor created inside the program"):
+        aot_function(f, nop)(torch.randn((), requires_grad=True))

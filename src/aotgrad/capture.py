@@ -335,8 +335,10 @@ def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int]) -> bool:
         if node in roots or id(leaf) in known:
             return False
         # A view taken under no_grad of a tensor that requires grad is an autograd leaf of the
-        # input's too: the run time keeps such outputs requiring grad.
-        new_leaf |= leaf is not None and not leaf._is_view()
+        # input's too: the run time keeps such outputs requiring grad. A view of a tensor that does
+        # not require grad, marked with requires_grad_(), is a new leaf like any other (fuzz seed 1
+        # program 2465).
+        new_leaf |= leaf is not None and (not leaf._is_view() or not leaf._base.requires_grad)
         todo.extend(n for n, _ in node.next_functions)
     return new_leaf
 

@@ -55,7 +55,7 @@ def _analyse_outputs(fw, layout, flat_out, user_leaves, bases, shifts, training)
         if isinstance(o, torch.Tensor):
             position_of[id(o)] = pos
             if training and id(o) not in leaf_of:
-                _refuse_new_leaf(f"output {pos}", o)
+                _refuse_new_leaf(f"output {pos}", o, leaf_of)
         q = position_of.get(id(getattr(o, "_base", None)))
         kept_history = isinstance(o, torch.Tensor) and o.requires_grad and getattr(o._base, "_aotgrad_detached", False)
         if q is not None and not _is_graph_value(sources[q]) and not kept_history:
@@ -114,10 +114,15 @@ def _bases_first(values) -> list[int]:
     return firsts + [pos for pos in range(len(values)) if pos not in firsts]
 
 
-def _refuse_new_leaf(name: str, o: torch.Tensor) -> None:
+def _refuse_new_leaf(name: str, o: torch.Tensor, inputs: dict[int, int]) -> None:
     """A tensor the program made an autograd leaf (`requires_grad_()`, or created with
-    requires_grad=True), or a view it so marked, cannot come back as one: refused."""
-    if isinstance(o, FunctionalTensor) and o.requires_grad and o.is_leaf and (o._base is None or not o._base.requires_grad):
+    requires_grad=True), or a view it so marked, or a view of such a leaf taken before it was
+    marked (it requires grad with no grad_fn: fuzz seed 1 program 3321), cannot come back as one:
+    refused."""
+    base = o._base if isinstance(o, FunctionalTensor) else None
+    new_base = base is not None and base.is_leaf and id(base) not in inputs
+    if isinstance(o, FunctionalTensor) and o.requires_grad and o.is_leaf and (
+            base is None or not base.requires_grad or new_base):
         raise UnsupportedOutputError(
             f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True (or a "
             "view the program marked with requires_grad_()); aotgrad can only return tensors computed from "
