@@ -2,8 +2,9 @@
 
 A restarted job (a notebook re-run, every rank of a multi-process job) compiles the same Dynamo
 graphs again. With this cache, a graph compiled before comes back without tracing, analysis or
-partitioning: the stored plan and graphs go straight to the graph compilers (Inductor then finds
-its compiled code in its own FX-graph cache) and to the run-time generator.
+partitioning: Inductor's compiled code is loaded by the FX-graph key stored with the entry (no graph
+unpickled or hashed again; cache_load.py), other compilers get the stored graphs, and the stored
+plan goes to the run-time generator.
 
 Where: `<Inductor's cache dir>/aotgrad/` (`TORCHINDUCTOR_CACHE_DIR`, else
 `/tmp/torchinductor_<user>`), one file per key (cache_key.py). On by default; off with
