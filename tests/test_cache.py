@@ -346,3 +346,36 @@ def test_backward_compiled_after_a_hit_is_added_to_the_entry(tmp_path, cached, m
     cached(tmp_path)
     _compile_f("aotgrad")
     assert aotgrad.cache_stats()["hits"] == 1 and loads == []
+
+
+def _two_outputs(x, y):
+    return x.sin() * 2, (x * y).t(), y.cos().sum()
+
+
+def test_hit_generates_the_cold_run_time_code(tmp_path, cached, monkeypatch, capsys):
+    """The run time built from an entry's GraphFacts (no graph loaded) is the code a cold compile
+    generates: the same prologue/epilogue, `autograd.Function` and None-gradient handling. Known
+    difference: a hit has no differentiable backward (higher_order.py), so `create_graph=True`
+    through it is refused with an AotgradError where a cold compile computes it."""
+    from aotgrad.errors import AotgradError
+
+    monkeypatch.setenv("AOTGRAD_PRINT_RUNTIME", "1")
+    sources = []
+    for _ in range(2):
+        cached(tmp_path)
+        x = torch.randn(3, 4, requires_grad=True)
+        y = torch.randn(3, 4, requires_grad=True)
+        capsys.readouterr()
+        a, b, c = torch.compile(_two_outputs, backend="aotgrad_eager")(x, y)
+        sources.append(capsys.readouterr().out)
+        a.sum().backward(retain_graph=True)  # only `a`'s gradient: y's stays None, as in eager
+        assert y.grad is None and torch.allclose(x.grad, 2 * x.detach().cos())
+    assert aotgrad.cache_stats()["hits"] == 1
+    with pytest.raises(AotgradError, match="create_graph"):
+        torch.autograd.grad(a.sum(), x, create_graph=True)
+
+    def first_order(src: str) -> list[str]:
+        return [line for line in src.splitlines() if "ctx.primals" not in line and "keep_graph" not in line]
+
+    assert "set_materialize_grads(False)" in sources[0] and "ctx.primals = primals" in sources[0]
+    assert first_order(sources[0]) == first_order(sources[1])
