@@ -6,8 +6,10 @@ backend: a private cache folder (`TORCHINDUCTOR_CACHE_DIR`; aotgrad's cache is i
 subfolder, upstream's AOTAutograd and FX-graph caches are in it too); one fresh process compiles
 with it empty (the cold number), then `--repeats` fresh processes run with it filled (warm). Each
 child times from after its imports and model construction to the end of its first step (the
-same work for both backends), and reports aotgrad's cache counters and the loss, which must equal
-the cold run's. Backends alternate which goes first.
+same work for both backends), and from the start of the process (imports included: torch, the
+model's code, and aotgrad only in the aotgrad child, through `torch.compile`'s backend lookup), and
+reports aotgrad's cache counters and the loss, which must equal the cold run's. Backends alternate
+which goes first.
 
 Rows: the demo's GPT-2 (its compiled loss forward + backward, then its compiled AdamW step, as the
 demo's first step does), and the training step (forward + backward) of each model of models.py.
@@ -19,15 +21,18 @@ Target: warm aotgrad <= 0.8x upstream's warm time (medians), cold numbers beside
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
+
+PROCESS_START = time.perf_counter()  # before any import: the import-included clock starts here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -43,8 +48,6 @@ def child(backend: str, row: str) -> dict:
     import torch
     from harness import sum_outputs
 
-    import aotgrad
-
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import backend_bench as bb
 
@@ -57,11 +60,16 @@ def child(backend: str, row: str) -> dict:
     loss.backward()
     if opt is not None:
         torch.compile(opt.step, backend=backend)()
-    seconds = time.perf_counter() - t0
+    end = time.perf_counter()
     from torch._dynamo.utils import counters
 
     check = float(loss.detach()) + (float(sum(p.detach().sum() for p in pristine.parameters())) if opt else 0.0)
-    return {"seconds": seconds, "check": check, "aotgrad_cache": aotgrad.cache_stats(),
+    stats = {}
+    if backend.startswith("aotgrad"):  # the inductor child never imports aotgrad
+        import aotgrad
+
+        stats = aotgrad.cache_stats()
+    return {"seconds": end - t0, "process": end - PROCESS_START, "check": check, "aotgrad_cache": stats,
             "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
             "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}}
 
@@ -79,7 +87,7 @@ def run_child(backend: str, row: str, cache_dir: str) -> dict | None:
 
 def measure(row: str, repeats: int) -> dict:
     folders = {b: tempfile.mkdtemp(prefix=f"warm-{b}-") for b in BACKENDS}
-    out: dict = {b: {"cold": None, "warm": [], "checks": [], "notes": ""} for b in BACKENDS}
+    out: dict = {b: {"cold": None, "warm": [], "process": [], "checks": [], "notes": ""} for b in BACKENDS}
     try:
         for rep in range(repeats + 1):
             for b in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
@@ -87,14 +95,16 @@ def measure(row: str, repeats: int) -> dict:
                 if got is None:
                     continue
                 kind = "cold" if rep == 0 else "warm"
-                print(f"  {row}: {b} {kind} {got['seconds']:.2f} s  aotgrad cache {got['aotgrad_cache']} "
+                print(f"  {row}: {b} {kind} {got['seconds']:.2f} s (process {got['process']:.2f} s)  "
+                      f"aotgrad cache {got['aotgrad_cache']} "
                       f"fx {got['fx']} aot {got['aot']}", flush=True)
                 if rep == 0:
                     out[b]["cold"] = got["seconds"]
                 else:
                     out[b]["warm"].append(got["seconds"])
+                    out[b]["process"].append(got["process"])
                 out[b]["checks"].append(got["check"])
-                if b == "aotgrad" and rep > 0 and got["aotgrad_cache"]["misses"]:
+                if b == "aotgrad" and rep > 0 and got["aotgrad_cache"].get("misses"):
                     out[b]["notes"] = "aotgrad cache missed on a warm run"
                 elif rep > 0 and got["fx"].get("fxgraph_cache_miss"):
                     out[b]["notes"] = f"Inductor's FX-graph cache missed on a warm {b} run"
@@ -128,21 +138,24 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(row, args.repeats)
         a, u = res["aotgrad"], res["inductor"]
         if not a["warm"] or not u["warm"] or a["cold"] is None or u["cold"] is None:
-            table_rows.append([row, "-", "-", "-", "-", "-", "-", "failed"])
+            table_rows.append([row, "-", "-", "-", "-", "-", "-", "-", "-", "-", "failed"])
             verdict = False
             continue
         wa, wu = statistics.median(a["warm"]), statistics.median(u["warm"])
+        pa, pu = statistics.median(a["process"]), statistics.median(u["process"])
         same = all(abs(c - a["checks"][0]) <= 1e-6 * max(1.0, abs(c)) for c in a["checks"])
         notes = "; ".join(n for n in (a["notes"], u["notes"], "" if same else "aotgrad warm result differs from cold")
                           if n)
-        verdict &= wa / wu <= TARGET and same
-        table_rows.append([row, f"{wa:.1f}", f"{wu:.1f}", fmt_ratio(wa / wu), f"{a['cold']:.1f}", f"{u['cold']:.1f}",
-                           fmt_ratio(a["cold"] / u["cold"]), notes or "ok"])
+        verdict &= pa / pu <= TARGET and same  # the issue's number: a fresh process, imports included
+        table_rows.append([row, f"{pa:.1f}", f"{pu:.1f}", fmt_ratio(pa / pu), f"{wa:.1f}", f"{wu:.1f}",
+                           fmt_ratio(wa / wu), f"{a['cold']:.1f}", f"{u['cold']:.1f}", fmt_ratio(a["cold"] / u["cold"]),
+                           notes or "ok"])
     print()
-    print(f"== warm start: first training step in a fresh process, caches filled (median of {args.repeats}, s) ==")
-    print(table(["row", "aotgrad warm", "inductor warm", "ratio", "aotgrad cold", "inductor cold", "cold ratio",
-                 "check"], table_rows, "lrrrrrrl"))
-    print(f"target warm ratio aotgrad/upstream <= {TARGET}: {'PASS' if verdict else 'FAIL'}")
+    print(f"== warm start: first training step in a fresh process, caches filled (median of {args.repeats}, s); "
+          "'process' = from process start, imports included; 'step' = after imports and model construction ==")
+    print(table(["row", "aotgrad process", "inductor process", "ratio", "aotgrad step", "inductor step", "ratio",
+                 "aotgrad cold", "inductor cold", "cold ratio", "check"], table_rows, "lrrrrrrrrrl"))
+    print(f"target warm ratio aotgrad/upstream (process, imports included) <= {TARGET}: {'PASS' if verdict else 'FAIL'}")
     return 0
 
 

@@ -65,6 +65,7 @@ def main(backend: str, out_path: str, small: bool = False) -> None:
         return capture(*args, **kwargs)
 
     api._capture = counting
+    calls = _count_calls()
     model, x, a, b = inputs()
     eager = workload(copy.deepcopy(model), g, x, a.detach().clone().requires_grad_(), b.clone(), small)
     compiled = workload(model, torch.compile(g, backend=backend), x, a, b, small, backend)
@@ -72,7 +73,29 @@ def main(backend: str, out_path: str, small: bool = False) -> None:
 
     fx = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     torch.save({"eager": eager, "compiled": compiled, "stats": aotgrad.cache_stats(), "captures": captures[0],
-                "fx": fx}, out_path)
+                "fx": fx, "calls": calls}, out_path)
+
+
+def _count_calls() -> dict:
+    """Counts, filled as the job runs, of graphs the cache unpickled and graphs Inductor hashed."""
+    from torch._inductor.codecache import FxGraphCache
+
+    import aotgrad.cache_load as cache_load
+
+    calls = {"graphs_unpickled": 0, "inductor_keys_computed": 0}
+    load_graph, prepare_key = cache_load.load_graph, FxGraphCache.prepare_key
+
+    def counting_load(*args, **kwargs):
+        calls["graphs_unpickled"] += 1
+        return load_graph(*args, **kwargs)
+
+    def counting_key(*args, **kwargs):
+        calls["inductor_keys_computed"] += 1
+        return prepare_key(*args, **kwargs)
+
+    cache_load.load_graph = counting_load
+    FxGraphCache.prepare_key = staticmethod(counting_key)
+    return calls
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def _check_cross_process(backend: str, tmp_path, *extra) -> dict:
     warm = _run_job(backend, tmp_path / "c", tmp_path / "warm.pt", *extra)
     stored = cold["stats"]["stores"]
     assert stored >= 1 and cold["stats"]["hits"] == 0 and cold["captures"] == stored, cold["stats"]
+    if backend == "aotgrad":  # each training graph's entry gets its backward's Inductor key
+        assert cold["stats"]["updates"] >= 1, cold["stats"]
     assert len(_entries(tmp_path / "c")) == stored
     assert warm["stats"]["hits"] == stored and warm["stats"]["misses"] == 0, warm["stats"]
     assert warm["captures"] == 0  # no trace, no partitioning: everything came from the cache
@@ -84,10 +86,11 @@ def test_hit_in_a_new_process_is_the_cold_compile(tmp_path):
 
 
 def test_inductor_hit_in_a_new_process(tmp_path):
-    """Inductor's compiled code comes from its own FX-graph cache: the graphs aotgrad loads hash as
-    the ones it compiled cold."""
+    """Inductor's compiled code is loaded by the FX-graph keys stored with the entry (the backward's
+    added once it compiled): no graph unpickled, none hashed again, results identical to cold."""
     warm = _check_cross_process("aotgrad", tmp_path, "small")
     assert warm["fx"].get("fxgraph_cache_hit") == 2 and not warm["fx"].get("fxgraph_cache_miss"), warm["fx"]
+    assert warm["calls"] == {"graphs_unpickled": 0, "inductor_keys_computed": 0}, warm["calls"]
 
 
 def test_two_processes_writing_the_same_entries(tmp_path, cached):
@@ -289,3 +292,90 @@ def test_concurrent_stores_never_show_a_torn_entry(tmp_path, cached):
         t.join()
     assert aotgrad.cache_stats()["corrupt"] == 0
     assert all(e is None or len(e["payload"]) in (10, 1 << 20) for e in loads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inductor's artifacts under aotgrad's entries
+
+
+def _count_graph_loads(monkeypatch) -> list:
+    import aotgrad.cache_load as cache_load
+
+    loads: list = []
+    load_graph = cache_load.load_graph
+    monkeypatch.setattr(cache_load, "load_graph", lambda *a, **k: loads.append(1) or load_graph(*a, **k))
+    return loads
+
+
+def test_deleted_inductor_artifact_is_a_miss_with_its_reason(tmp_path, cached, caplog, monkeypatch):
+    """An aotgrad entry whose Inductor compiled code is gone: a miss saying so, a compile that
+    matches eager, the entry rewritten; the next compile hits without unpickling a graph."""
+    import shutil
+
+    cached(tmp_path)
+    _compile_f("aotgrad")
+    assert aotgrad.cache_stats()["updates"] == 1  # the backward's key, once it compiled
+    shutil.rmtree(tmp_path / "fxgraph")
+    cached(tmp_path)
+    with caplog.at_level(logging.INFO, logger="aotgrad.cache"):
+        _compile_f("aotgrad")
+    stats = aotgrad.cache_stats(reset=True)
+    assert stats["hits"] == 0 and stats["misses"] == 1 and stats["corrupt"] == 0 and stats["stores"] == 1, stats
+    assert any("not in its cache" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    loads = _count_graph_loads(monkeypatch)
+    cached(tmp_path)
+    _compile_f("aotgrad")
+    assert aotgrad.cache_stats()["hits"] == 1 and loads == []
+
+
+def test_backward_compiled_after_a_hit_is_added_to_the_entry(tmp_path, cached, monkeypatch):
+    """A process that ran only the forward stores no backward key; the next one compiles the
+    backward from the stored graph (restrided as Inductor saved its inputs), matches eager and adds
+    the key; the third loads both graphs' compiled code."""
+    cached(tmp_path)
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.compile(_f, backend="aotgrad")(x, torch.zeros(3, 4))  # no backward
+    assert aotgrad.cache_stats()["stores"] == 1 and aotgrad.cache_stats()["updates"] == 0
+    loads = _count_graph_loads(monkeypatch)
+    cached(tmp_path)
+    _compile_f("aotgrad")
+    stats = aotgrad.cache_stats()
+    assert stats["hits"] == 1 and stats["updates"] == 1 and loads == [1], (stats, loads)
+    loads.clear()
+    cached(tmp_path)
+    _compile_f("aotgrad")
+    assert aotgrad.cache_stats()["hits"] == 1 and loads == []
+
+
+def _two_outputs(x, y):
+    return x.sin() * 2, (x * y).t(), y.cos().sum()
+
+
+def test_hit_generates_the_cold_run_time_code(tmp_path, cached, monkeypatch, capsys):
+    """The run time built from an entry's GraphFacts (no graph loaded) is the code a cold compile
+    generates: the same prologue/epilogue, `autograd.Function` and None-gradient handling. Known
+    difference: a hit has no differentiable backward (higher_order.py), so `create_graph=True`
+    through it is refused with an AotgradError where a cold compile computes it."""
+    from aotgrad.errors import AotgradError
+
+    monkeypatch.setenv("AOTGRAD_PRINT_RUNTIME", "1")
+    sources = []
+    for _ in range(2):
+        cached(tmp_path)
+        x = torch.randn(3, 4, requires_grad=True)
+        y = torch.randn(3, 4, requires_grad=True)
+        capsys.readouterr()
+        a, b, c = torch.compile(_two_outputs, backend="aotgrad_eager")(x, y)
+        sources.append(capsys.readouterr().out)
+        a.sum().backward(retain_graph=True)  # only `a`'s gradient: y's stays None, as in eager
+        assert y.grad is None and torch.allclose(x.grad, 2 * x.detach().cos())
+    assert aotgrad.cache_stats()["hits"] == 1
+    with pytest.raises(AotgradError, match="create_graph"):
+        torch.autograd.grad(a.sum(), x, create_graph=True)
+
+    def first_order(src: str) -> list[str]:
+        return [line for line in src.splitlines() if "ctx.primals" not in line and "keep_graph" not in line]
+
+    assert "set_materialize_grads(False)" in sources[0] and "ctx.primals = primals" in sources[0]
+    assert first_order(sources[0]) == first_order(sources[1])

@@ -454,6 +454,7 @@ def _no_dynamo_compiler(compiler: Callable) -> Callable:
         compiled = torch._dynamo.disable(compiler, reason="aotgrad: backward compiler")(gm, example_inputs)
         boxed = getattr(compiled, "_boxed_call", False)
         out = _no_dynamo(compiled)
+        out.aotgrad_compiled = compiled  # what the on-disk cache records (cache_serialize.inductor_artifact)
         if boxed:
             out._boxed_call = True
         return out

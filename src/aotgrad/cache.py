@@ -2,8 +2,9 @@
 
 A restarted job (a notebook re-run, every rank of a multi-process job) compiles the same Dynamo
 graphs again. With this cache, a graph compiled before comes back without tracing, analysis or
-partitioning: the stored plan and graphs go straight to the graph compilers (Inductor then finds
-its compiled code in its own FX-graph cache) and to the run-time generator.
+partitioning: Inductor's compiled code is loaded by the FX-graph key stored with the entry (no graph
+unpickled or hashed again; cache_load.py), other compilers get the stored graphs, and the stored
+plan goes to the run-time generator.
 
 Where: `<Inductor's cache dir>/aotgrad/` (`TORCHINDUCTOR_CACHE_DIR`, else
 `/tmp/torchinductor_<user>`), one file per key (cache_key.py). On by default; off with
@@ -31,12 +32,13 @@ from typing import Any
 
 from . import config
 from .cache_key import FORMAT, Uncacheable, aotgrad_version, backend_key, digest, graph_key, torch_version
-from .cache_serialize import Recorder, dumps, loads, make_entry, rebuild
+from .cache_load import ArtifactMissing, rebuild
+from .cache_serialize import Recorder, dumps, loads, make_entry, on_compiled, with_backward
 
 log = logging.getLogger("aotgrad.cache")
 
 _MAGIC = b"AOTGRAD-CACHE\n"
-_STATS = {"hits": 0, "misses": 0, "uncacheable": 0, "stores": 0, "corrupt": 0}
+_STATS = {"hits": 0, "misses": 0, "uncacheable": 0, "stores": 0, "updates": 0, "corrupt": 0}
 
 
 def enabled() -> bool:
@@ -57,8 +59,9 @@ def cache_dir() -> str:
 
 
 def cache_stats(reset: bool = False) -> dict[str, int]:
-    """Counters of this process: hits, misses (no usable entry), uncacheable (no key could be
-    computed), stores, corrupt (entries ignored)."""
+    """Counters of this process: hits, misses (no usable entry, or Inductor no longer has its
+    compiled code), uncacheable (no key could be computed), stores, updates (an entry rewritten
+    with its backward's Inductor key once the backward compiled), corrupt (entries ignored)."""
     out = dict(_STATS)
     if reset:
         for k in _STATS:
@@ -96,7 +99,10 @@ class Probe:
         entry = _load(key)
         if entry is not None:
             try:
-                run = rebuild(entry, leaves, aot_config)
+                run = rebuild(entry, leaves, aot_config, backend, _updater(key, entry))
+            except ArtifactMissing as e:
+                _STATS["misses"] += 1
+                log.info("aotgrad cache: miss %s (%s); compiling again", key[:16], e)
             except Exception as e:  # noqa: BLE001 - a stale entry must never break a compile
                 _STATS["corrupt"] += 1
                 log.warning("aotgrad cache: entry %s could not be rebuilt (%s: %s); compiling again",
@@ -106,19 +112,44 @@ class Probe:
                 log.info("aotgrad cache: hit %s", key[:16])
                 return run
         recorder = Recorder()
+        stored: list = []  # the entry once written: the lazy backward's Inductor key is added to it
+
+        def backward_compiled(gm, artifact) -> None:  # not a backward re-traced under autocast
+            if stored and gm is run.compiled.bw_module:
+                _updater(key, stored[0])(artifact)
+
         recording = replace(
             aot_config,
             fw_compiler=recorder.wrap(aot_config.fw_compiler),
             inference_compiler=recorder.wrap(aot_config.inference_compiler),
+            bw_compiler=on_compiled(aot_config.bw_compiler, backward_compiled),
         )
         run = compile_signature(fn, leaves, spec, recording)
         try:
-            _store(key, make_entry(run, recorder))
+            entry = make_entry(run, recorder)
+            _store(key, entry)
+            stored.append(entry)
         except Uncacheable as e:
             _uncacheable(str(e))
         except Exception as e:  # noqa: BLE001 - a failed store must never break a compile
             log.warning("aotgrad cache: could not write entry %s (%s: %s)", key[:16], type(e).__name__, e)
         return run
+
+
+def _updater(key: str, entry) -> Callable:
+    """What to call with a backward's Inductor artifact once it is compiled: the entry is written
+    again with it, so the next hit loads the backward's compiled code too."""
+
+    def update(artifact) -> None:
+        new = with_backward(entry, artifact)
+        if new is None:
+            return
+        try:
+            _store(key, new, counter="updates")
+        except Exception as e:  # noqa: BLE001 - a failed update must never break a backward
+            log.warning("aotgrad cache: could not update entry %s (%s: %s)", key[:16], type(e).__name__, e)
+
+    return update
 
 
 def probe(backend: Any, gm, example_inputs, state: list) -> Probe | None:
@@ -210,7 +241,7 @@ def _decode(data: bytes):
     return loads(payload)
 
 
-def _store(key: str, entry) -> None:
+def _store(key: str, entry, counter: str = "stores") -> None:
     path = _path(key)
     if not _dirs_safe(path, create=True):
         return
@@ -227,8 +258,8 @@ def _store(key: str, entry) -> None:
         except OSError:
             pass
         raise
-    _STATS["stores"] += 1
-    log.info("aotgrad cache: stored %s (%d bytes)", key[:16], len(data))
+    _STATS[counter] += 1
+    log.info("aotgrad cache: %s %s (%d bytes)", "stored" if counter == "stores" else "updated", key[:16], len(data))
 
 
 _warned: set[str] = set()

@@ -1,21 +1,24 @@
-"""What a cache entry holds, and how a compiled signature is rebuilt from one.
+"""What a cache entry holds, and how it is made from a freshly compiled signature.
 
-An entry is the `Plan`, the forward (or inference) graph exactly as aotgrad handed it to the graph
-compiler, the backward graph as the partitioner returned it, and the few facts `CompiledForward`
-reads off graphs that are not stored (the joint graph's value flow, the number of saved values).
-Graphs are written with torch.fx's `GraphPickler`, which keeps each node's fake value (`meta["val"]`)
-and re-creates it in the fake mode of the compile that loads it. On a hit the compilers run again on
-those graphs (Inductor's compiled code then comes from Inductor's own FX-graph cache): no trace, no
-analysis, no partitioning.
+An entry is the `Plan`, per compiled graph a `GraphRecord` (Inductor's FX-graph cache key for its
+compiled code, and the graph exactly as aotgrad handed it to the compiler), the few facts the run
+time reads off the graphs (`GraphFacts`), and those `CompiledForward` reads off graphs that are not
+stored (the joint graph's value flow, the number of saved values). On a hit (cache_load.py) a graph
+with an Inductor key comes back as Inductor's compiled code, loaded by that key: no trace, no
+partitioning, no graph unpickled and no graph hashed again. Graphs are written with torch.fx's
+`GraphPickler` (each node's fake value kept, re-created in the loading compile's fake mode); they are
+unpickled only for graphs without an Inductor key (custom compilers, `aotgrad_eager`) or when
+something needs the graph itself (compiled autograd, a backward under autocast).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,26 +27,58 @@ import torch.fx
 from .cache_key import Uncacheable
 
 
+@dataclass(frozen=True)
+class GraphRecord:
+    """One compiled graph: the graph as its compiler got it (None when not serializable), and
+    where Inductor keeps its compiled code (`inductor_key`; None: compile `graph` again on a hit)."""
+
+    graph: bytes | None
+    inductor_key: str | None = None
+    guards_expr: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorKind:
+    """A traced tensor's dtype and device: what the run time reads off a backward placeholder."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the run-time generator reads off the graphs (runtime.py), so a hit needs no graph:
+    forward inputs an `as_strided_scatter` writes into, which forward outputs are tensors, and the
+    differentiable outputs' tangents as the backward graph traced them."""
+
+    scattered: frozenset
+    outputs_are_tensors: tuple
+    tangents: tuple
+
+
 @dataclass
 class Entry:
     plan: Any
     training: bool
-    forward: bytes  # the forward/inference graph as its compiler got it
-    backward: bytes | None
+    forward: GraphRecord  # the forward/inference graph
+    backward: GraphRecord | None
     num_fw_outputs: int
     num_saved_tensors: int
     num_saved_other: int
     written_in_place: frozenset
     computed_from: tuple
     gradient_from: tuple
+    facts: GraphFacts
+    fw_meta: dict  # the forward module's meta the backward compiler reads (Inductor's output strides)
 
 
 class Recorder:
     """Wraps a signature's graph compilers to keep the graph each one is handed, before the
-    compiler (which may rewrite it in place) sees it."""
+    compiler (which may rewrite it in place) sees it, and where Inductor keeps what it compiled."""
 
     def __init__(self):
         self.forward: bytes | None = None
+        self.forward_artifact: tuple[str, str | None] | None = None
         self.failure: str | None = None
 
     def wrap(self, compiler: Callable) -> Callable:
@@ -52,12 +87,45 @@ class Recorder:
                 self.forward = dump_graph(gm)
             except Exception as e:  # noqa: BLE001 - any pickling failure means "do not cache"
                 self.failure = f"the forward graph cannot be serialized ({type(e).__name__}: {e})"
-            return compiler(gm, example_inputs)
+            compiled = compiler(gm, example_inputs)
+            self.forward_artifact = inductor_artifact(compiled)
+            return compiled
 
-        for attr in ("aotgrad_functional_graphs", "_boxed_call"):
-            if hasattr(compiler, attr):
-                setattr(recording, attr, getattr(compiler, attr))
-        return recording
+        return _like(recording, compiler)
+
+
+def on_compiled(compiler: Callable, callback: Callable) -> Callable:
+    """`compiler`, calling `callback(gm, inductor_artifact(result))` after each compile (the lazy
+    backward's record is added to its entry once it is compiled)."""
+
+    def compile_and_report(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiled = compiler(gm, example_inputs)
+        callback(gm, inductor_artifact(compiled))
+        return compiled
+
+    return _like(compile_and_report, compiler)
+
+
+def _like(wrapper: Callable, compiler: Callable) -> Callable:
+    for attr in ("aotgrad_functional_graphs", "_boxed_call"):
+        if hasattr(compiler, attr):
+            setattr(wrapper, attr, getattr(compiler, attr))
+    return wrapper
+
+
+def inductor_artifact(compiled: Any) -> tuple[str, str | None] | None:
+    """(FX-graph cache key, guards) of what Inductor compiled, when its FX-graph cache holds it
+    (not for a bypassed or no-op graph, or one whose constants live outside the artifact)."""
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraph
+
+    compiled = getattr(compiled, "aotgrad_compiled", compiled)
+    if not isinstance(compiled, CompiledFxGraph) or getattr(compiled, "frozen_param_names", None):
+        return None
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    if not isinstance(key, str) or not os.path.isdir(FxGraphCache._get_tmp_dir_for_key(key)):
+        return None
+    return key, compiled.guards_expr
 
 
 def dump_graph(gm: torch.fx.GraphModule) -> bytes:
@@ -137,7 +205,8 @@ def _pickler() -> type:
 
 
 def make_entry(run: Any, recorder: Recorder) -> Entry:
-    """The entry for a freshly compiled signature (`api.compile_signature`'s result)."""
+    """The entry for a freshly compiled signature (`api.compile_signature`'s result). The backward
+    is compiled later (on the first `.backward()`); its Inductor key is added then (`with_backward`)."""
     compiled = run.compiled
     if recorder.failure:
         raise Uncacheable(recorder.failure)
@@ -149,17 +218,19 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         if compiled._backward is not None:
             raise Uncacheable("the backward was compiled ahead of time (symbolic sizes)")
         try:
-            backward = dump_graph(compiled.bw_module)
+            backward = GraphRecord(dump_graph(compiled.bw_module))
         except Exception as e:  # noqa: BLE001
             raise Uncacheable(f"the backward graph cannot be serialized ({type(e).__name__}: {e})") from e
     try:
         loads(dumps(run.plan))
     except Exception as e:  # noqa: BLE001
         raise Uncacheable(f"the plan cannot be pickled ({type(e).__name__}: {e})") from e
+    key, guards = recorder.forward_artifact or (None, None)
+    fw_meta = {k: v for k, v in compiled.fw_module.meta.items() if k.startswith("aotgrad_") and _picklable(v)}
     return Entry(
         plan=run.plan,
         training=training,
-        forward=recorder.forward,
+        forward=GraphRecord(recorder.forward, key, guards),
         backward=backward,
         num_fw_outputs=compiled.num_fw_outputs,
         num_saved_tensors=compiled.num_saved_tensors,
@@ -167,6 +238,32 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         written_in_place=frozenset(compiled.written_in_place),
         computed_from=tuple(compiled.computed_from),
         gradient_from=tuple(compiled.gradient_from),
+        facts=graph_facts(run.plan, compiled),
+        fw_meta=fw_meta,
+    )
+
+
+def with_backward(entry: Entry, artifact: tuple[str, str | None] | None) -> Entry | None:
+    """`entry` with its backward's Inductor key, once the backward is compiled (None: no change)."""
+    if artifact is None or entry.backward is None or entry.backward.inductor_key == artifact[0]:
+        return None
+    return replace(entry, backward=replace(entry.backward, inductor_key=artifact[0], guards_expr=artifact[1]))
+
+
+def graph_facts(plan: Any, compiled: Any) -> GraphFacts:
+    """What the run time read off `compiled`'s graphs when it was built (runtime.py)."""
+    from .compile import placeholder_values
+    from .runtime import _output_values, _scattered_into
+
+    tangents: tuple = ()
+    if compiled.bw_module is not None:
+        diff = [o for o in plan.fw_outputs if o.differentiable]
+        traced = placeholder_values(compiled.bw_module)[-len(diff):] if diff else []
+        tangents = tuple(TensorKind(v.dtype, v.device) if isinstance(v, torch.Tensor) else None for v in traced)
+    return GraphFacts(
+        scattered=frozenset(_scattered_into(compiled.fw_module)),
+        outputs_are_tensors=tuple(isinstance(v, torch.Tensor) for v in _output_values(compiled.fw_module)),
+        tangents=tangents,
     )
 
 
@@ -199,51 +296,3 @@ def loads(data: bytes) -> Any:
     with warnings.catch_warnings():  # unpickling a TreeSpec warns about LeafSpec (torch's own code)
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
         return pickle.loads(data)
-
-
-def rebuild(entry: Entry, leaves: list, config: Any) -> Callable:
-    """The generated `run(leaves)` for a cached signature: the stored graphs through this
-    compile's compilers, the stored plan through the run-time generator."""
-    from torch._guards import detect_fake_mode
-
-    from .backend_context import _context_fake_mode
-    from .backend_inductor import link_backward
-    from .compile import CompiledForward, _aot_ids
-    from .compilers import boxed, naming
-    from .inputs import primal_values
-    from .runtime import build_runner
-
-    plan = entry.plan
-    fake_mode = detect_fake_mode([x for x in leaves if isinstance(x, torch.Tensor)]) or _context_fake_mode()
-    if fake_mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    primals = primal_values(plan.layout, leaves)
-    fw = load_graph(entry.forward, fake_mode)
-    aot_id = next(_aot_ids)
-    if entry.training:
-        bw = load_graph(entry.backward, fake_mode)
-        link_backward(bw, fw)
-        with naming("forward", aot_id):
-            forward = boxed(config.fw_compiler(fw, list(primals)))
-        compiled = CompiledForward(
-            forward, fw, entry.num_fw_outputs,
-            num_saved_tensors=entry.num_saved_tensors,
-            num_saved_other=entry.num_saved_other,
-            written_in_place=entry.written_in_place,
-            computed_from=entry.computed_from,
-            gradient_from=entry.gradient_from,
-            bw_module=bw,
-            bw_compiler=config.bw_compiler,
-            aot_id=aot_id,
-        )
-    else:
-        with naming("inference", aot_id):
-            forward = boxed(config.inference_compiler(fw, list(primals)))
-        compiled = CompiledForward(forward, fw, entry.num_fw_outputs, written_in_place=entry.written_in_place,
-                                   aot_id=aot_id)
-    run = build_runner(plan, compiled)
-    run.plan = plan
-    run.compiled = compiled
-    return run

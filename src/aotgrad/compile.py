@@ -53,6 +53,7 @@ class CompiledForward:
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
     higher_order: HigherOrder | None = None  # the differentiable backward (higher_order.py)
     keep_inplace: bool = False  # disable_functionalization=True: compilers get in-place ops back
+    facts: Any = None  # a cache hit's GraphFacts: what the run time would read off graphs not loaded
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import torch
 import torch.fx
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 from .capture_state import BACKWARD_MUTATION
 from .partition import _ancestors, _descendants, _flat_outputs, reads_of_mutated_in_graph, side_effects
@@ -197,6 +200,8 @@ class _Joint:
             c = self.bytes[n] * _SCALE + tie
             cost[n] = big + c if n in self.soft_unsaveable else c
         self.cost = cost
+        import networkx as nx  # here: a warm start (cache hit) never partitions, so never pays its import
+
         g = nx.DiGraph()
         for n in self.region:
             i = self.index[n]
@@ -224,6 +229,8 @@ class _Joint:
                 g.add_edge(_SOURCE, 2 * self.index[n])
         if _SOURCE not in g:
             g.add_node(_SOURCE)
+        import networkx as nx
+
         try:
             residual = nx.algorithms.flow.boykov_kolmogorov(g, _SOURCE, _SINK, capacity="capacity")
         except nx.NetworkXUnbounded as e:

@@ -127,7 +127,8 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
 
     fw = _Source()
     fw_call = fw.bind("fw", compiled.forward)
-    scattered = _scattered_into(compiled.fw_module)
+    facts = compiled.facts  # what a cache hit knows without its graphs (cache_serialize.GraphFacts)
+    scattered = facts.scattered if facts is not None else _scattered_into(compiled.fw_module)
     if scattered:
         # aten's as_strided_scatter refuses a non-contiguous input that requires grad, even under
         # no_grad; the graph needs only its values (the Function records the autograd side).
@@ -176,7 +177,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     bw.globals["_contig"] = _contiguous
     if none_aware:
         bw.globals["_zeros"] = torch.zeros
-        traced = placeholder_values(compiled.bw_module)[-len(diff):]
+        traced = facts.tangents if facts is not None else placeholder_values(compiled.bw_module)[-len(diff):]
         for j, i in enumerate(diff):
             bw.emit(f"t{j} = grads[{i}]")
             bw.globals[f"_dtype{j}"], bw.globals[f"_device{j}"] = traced[j].dtype, traced[j].device
@@ -355,7 +356,11 @@ def _emit_as_caller_sees(
             src.emit(f"{name} = _non_view({name}, {primals_tuple})")
         if written and i in user:
             src.emit(f"{name} = _unaliased({name}, _written)")
-    tensors = [name for name, v in zip(outs, _output_values(compiled.fw_module)) if isinstance(v, torch.Tensor)]
+    if compiled.facts is not None:
+        are_tensors = compiled.facts.outputs_are_tensors
+    else:
+        are_tensors = [isinstance(v, torch.Tensor) for v in _output_values(compiled.fw_module)]
+    tensors = [name for name, is_tensor in zip(outs, are_tensors) if is_tensor]
     if len(tensors) > 1:
         _emit_distinct(src, _tuple_src(tensors), len(tensors))
 
