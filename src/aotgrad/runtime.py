@@ -155,9 +155,9 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     fw.emit(f"outs = {_tuple_src(outs)}")
     unreached = _unreached_when_none(plan, compiled, diff)
     # Outputs that get no gradient are seen as None, for the inputs eager leaves None (below) and
-    # for a backward specialised for their zeros (zero_tangents.py; needs an unchanged copy of the
-    # backward graph, which `higher` keeps).
-    none_aware = bool(unreached) or (len(diff) >= 2 and higher is not None)
+    # for a backward specialised for their zeros (zero_tangents.py; where no unchanged copy of the
+    # backward graph was kept, as on a cache hit, the plain backward runs: the same code either way).
+    none_aware = bool(unreached) or len(diff) >= 2
     if none_aware:
         # Outputs that get no gradient arrive as None (not zeros), so that inputs only they reach
         # get None, as in eager; the backward graph gets zeros in their place. Their sizes may be
@@ -195,7 +195,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # inline (compile.CompiledForward.traceable_backward), without the lock or the compiler call.
     bw.globals["_is_compiling"] = torch.compiler.is_compiling
     run_bw = f"({cfw}.traceable_backward(args) if _is_compiling() else {run_bw})"
-    if none_aware and higher is not None:
+    if none_aware:
         bw.emit(f"nones = {_tuple_src([f't{j} is None' for j in range(len(diff))])}")
         run_bw = (f"({cfw}.backward_with_none_tangents(nones, args) if True in nones and not _is_compiling() "
                   f"and not _any_autocast() else {run_bw})")
