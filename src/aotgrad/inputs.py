@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import guards
+from . import guards, subclass_layout
 from .ambient import any_autocast, autocast_key
 from .errors import UnsupportedAliasingError, UnsupportedInputError
 from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
@@ -48,10 +49,13 @@ def _constant_key(v: Any) -> Any:
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    return (
+    key = (
         type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.layout,
         t.requires_grad, t.is_leaf,
     )
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # type, nesting, context, inner keys
+        return key + subclass_layout.signature_part(t, tensor_key)
+    return key
 
 
 def alias_key(leaves: Sequence[Any]) -> tuple:
@@ -97,6 +101,8 @@ def signature(leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
     for x in leaves:
         parts.append(tensor_key(x) if isinstance(x, torch.Tensor) else _constant_key(x))
     parts.append(alias_key(leaves))
+    if any(isinstance(x, torch.Tensor) and is_wrapper(x) for x in leaves):  # inner tensors sharing memory
+        parts.append(alias_key(subclass_layout.with_inner_tensors(leaves)))
     return tuple(parts)
 
 
@@ -244,6 +250,9 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
             first[id(x)] = i
             scope[f"_S{i}"], scope[f"_ST{i}"] = x.shape, x.stride()
             scope[f"_D{i}"], scope[f"_DEV{i}"] = x.dtype, x.device
+            if type(x) is not torch.Tensor and is_traceable_wrapper_subclass(x):
+                scope["_tensor_key"], scope[f"_K{i}"] = tensor_key, tensor_key(x)
+                conds.append(f"_tensor_key({v}) == _K{i}")
             conds += [
                 f"type({v}) is _T{i}", f"{v}.requires_grad is {x.requires_grad}", f"{v}.shape == _S{i}",
                 f"{v}.stride() == _ST{i}", f"{v}.storage_offset() == {x.storage_offset()}",
@@ -259,6 +268,9 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
     if check_aliasing:
         scope["_AK"] = alias_key(leaves)
         conds.append("_alias_key(args) == _AK")
+    if any(isinstance(x, torch.Tensor) and is_wrapper(x) for x in leaves):
+        scope["_inner"], scope["_IAK"] = subclass_layout.with_inner_tensors, alias_key(subclass_layout.with_inner_tensors(leaves))
+        conds.append("_alias_key(_inner(args)) == _IAK")
     src = "def guard(args):\n    return (\n        " + "\n        and ".join(conds) + "\n    )\n"
     exec(compile(src, "<aotgrad guard>", "exec"), scope)
     guard = scope["guard"]

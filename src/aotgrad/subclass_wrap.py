@@ -1,0 +1,420 @@
+"""The subclass stage: flatten traceable wrapper subclasses at the boundary, plain tensors inside.
+
+A call with subclass arguments (subclass_layout.py) is compiled as a call of a *plain* function over
+the subclasses' inner tensors, through the ordinary pipeline unchanged:
+
+    fn_plain(*plain_leaves):                     # traced by capture.py like any function
+        x = _Wrap.apply(site, a, b)              # rebuild TwoTensor(a, b): __tensor_unflatten__
+        out = fn(x, ...)                         # the subclass's __torch_dispatch__ runs on the
+                                                 # functional inner tensors: plain aten graph
+        return _Unwrap.apply(site, out)          # __tensor_flatten__: plain outputs
+
+Two small autograd Functions keep the autograd boundary at the subclass level: `_Wrap` (plain ->
+subclass; its backward flattens the subclass gradient) and `_Unwrap` (subclass -> plain; its backward
+rebuilds the subclass gradient). The run time puts the same two around the compiled plain function:
+each subclass argument is unwrapped (its gradient is rebuilt as the subclass the trace saw arrive),
+each subclass output rewrapped (its incoming gradient is checked against the trace's guess, the
+output's own layout, and flattened). Why this design: mutations, aliasing, partitioning, the
+compilers and the generated run time all stay the plain pipeline's, and a compiler never sees a
+subclass. Outputs that are a subclass argument itself, or views of one, are returned as eager
+returns them (the argument, or its view replayed on the caller's subclass).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import analysis
+from .errors import (
+    InplaceOnLeafError,
+    UnsupportedInputError,
+    UnsupportedMutationError,
+    UnsupportedOutputError,
+)
+from .plan import FromLeaf, ViewChain
+from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
+
+log = logging.getLogger("aotgrad.subclass")
+
+
+def any_subclass(leaves: Sequence[Any]) -> bool:
+    return any(type(x) is not torch.Tensor and is_subclass(x) for x in leaves if isinstance(x, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------
+# The two autograd boundaries
+
+
+@dataclass(eq=False)
+class _Site:
+    """One subclass crossing the boundary: an argument (index `leaf`) or an output (`output`)."""
+
+    layout: SubclassLayout
+    name: str
+    grad_layout: SubclassLayout | None = None  # argument: the gradient's layout the trace saw arrive
+    tracing: bool = True
+
+    def flatten_grad(self, grad: torch.Tensor) -> list[torch.Tensor]:
+        """`_Wrap.backward`: the incoming subclass gradient as plain tensors."""
+        got = layout_of(grad)
+        if self.tracing:  # an argument's gradient, as the traced backward computes it
+            if got is None or got.num_plain != self.layout.num_plain:
+                raise UnsupportedInputError(
+                    f"aotgrad: the gradient of {self.name} ({self.layout.describe()}) is "
+                    f"{'a plain tensor' if got is None else got.describe()}, which cannot be split into the "
+                    "argument's inner tensors. Pass the inner tensors as separate inputs."
+                )
+            self.grad_layout = got
+        elif not same_structure(got, self.layout) or tuple(grad.shape) != self.layout.outer_size:
+            raise UnsupportedOutputError(
+                f"aotgrad: {self.name} is a {self.layout.describe()}; its incoming gradient is "
+                f"{'a plain tensor' if got is None else got.describe()} {tuple(grad.shape)}, not what the "
+                "compiled backward was traced for (the output's own type and metadata). Pass a gradient "
+                "of the output's type (e.g. torch.ones_like(out)), or call the function eagerly."
+            )
+        out: list = []
+        flatten(grad, got, out)
+        return out
+
+    def rebuild_grad(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """`_Unwrap.backward`: the plain gradients as one subclass gradient."""
+        layout = self.layout if self.tracing else self.grad_layout
+        if layout is None:
+            return None
+        return rebuild(layout, grads)
+
+
+class _Wrap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, site: _Site, *plains):
+        ctx.site = site
+        return rebuild(site.layout, [p.detach() for p in plains])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *ctx.site.flatten_grad(grad))
+
+
+class _Unwrap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, site: _Site, t):
+        ctx.site = site
+        plains: list = []
+        flatten(t, site.layout, plains)
+        return tuple(p.detach() for p in plains)  # aliases: the caller's inner tensors keep their autograd state
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, ctx.site.rebuild_grad(grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# What each user output is
+
+
+@dataclass(frozen=True)
+class PlainOut:
+    position: int
+
+
+@dataclass(frozen=True)
+class SubclassOut:
+    site: _Site
+    start: int
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class LeafOut:
+    leaf: int
+
+
+@dataclass(frozen=True)
+class ViewOfLeafOut:
+    leaf: int
+    chain: ViewChain
+
+
+# ---------------------------------------------------------------------------------------------
+# One signature's boundary
+
+
+@dataclass
+class Boundary:
+    """The subclass stage for one signature: how caller leaves map to plain leaves and back."""
+
+    spec: Any
+    layouts: list[SubclassLayout | None]  # per caller leaf
+    ranges: list[tuple[int, int]]  # per caller leaf: its plain leaves
+    sites: dict[int, _Site]  # per subclass caller leaf
+    first: dict[int, int]  # leaf -> the first leaf that is the same object
+    outputs: list = field(default_factory=list)
+    out_spec: Any = None
+
+    @classmethod
+    def of(cls, leaves: Sequence[Any], spec) -> Boundary:
+        layouts, ranges, sites, first, seen = [], [], {}, {}, {}
+        pos = 0
+        for i, x in enumerate(leaves):
+            lay = layout_of(x) if isinstance(x, torch.Tensor) else None
+            if isinstance(x, torch.Tensor):
+                first[i] = seen.setdefault(id(x), i)
+            n = 1 if lay is None else lay.num_plain
+            layouts.append(lay)
+            ranges.append((pos, pos + n))
+            pos += n
+            if lay is not None:
+                sites[i] = _Site(lay, f"input {i}")
+        return cls(spec, layouts, ranges, sites, first)
+
+    def plain_leaves(self, leaves: Sequence[Any]) -> list:
+        """The plain arguments of the compiled plain function (the run-time prologue's twin)."""
+        out: list = []
+        grad = torch.is_grad_enabled()
+        for i, x in enumerate(leaves):
+            lay = self.layouts[i]
+            if lay is None:
+                out.append(x)
+            elif self.first[i] != i:  # the same subclass again: the same plain tensors
+                out.extend(out[slice(*self.ranges[self.first[i]])])
+            elif grad and x.requires_grad:
+                out.extend(_Unwrap.apply(self.sites[i], x))
+            else:
+                flatten(x, lay, out)
+        return out
+
+    def num_plain(self, num_leaves: int) -> int:
+        return self.ranges[num_leaves - 1][1] if num_leaves else 0
+
+    # -- trace side ---------------------------------------------------------------------------
+
+    def plain_function(self, fn: Callable) -> Callable:
+        def fn_plain(*plain):
+            leaves, rebuilt = [], {}
+            for i, lay in enumerate(self.layouts):
+                start, stop = self.ranges[i]
+                if lay is None:
+                    leaves.append(plain[start])
+                    if isinstance(plain[start], torch.Tensor) and plain[start].requires_grad:
+                        plain[start].register_hook(_refuse_subclass_grad(i))
+                    continue
+                if self.first[i] != i:
+                    leaves.append(leaves[self.first[i]])
+                    continue
+                inner = plain[start:stop]
+                if torch.is_grad_enabled() and any(p.requires_grad for p in inner):
+                    t = _Wrap.apply(self.sites[i], *inner)
+                else:
+                    t = rebuild(lay, inner)
+                rebuilt[id(t)] = i
+                leaves.append(t)
+            args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+            out = fn(*args, **kwargs)
+            flat, self.out_spec = pytree.tree_flatten(out)
+            return self._flatten_outputs(flat, rebuilt)
+
+        fn_plain.__qualname__ = getattr(fn, "__qualname__", "fn") + "[subclasses flattened]"
+        return fn_plain
+
+    def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
+        self.outputs = []
+        plain: list = []
+        for k, o in enumerate(flat):
+            if isinstance(o, torch.Tensor) and id(o) in rebuilt:
+                self.outputs.append(LeafOut(rebuilt[id(o)]))
+            elif isinstance(o, torch.Tensor) and is_subclass(o) and _base_leaf(o, rebuilt) is not None:
+                self.outputs.append(_view_of_leaf(o, _base_leaf(o, rebuilt), k))
+            elif isinstance(o, torch.Tensor) and is_subclass(o):
+                site = _Site(layout_of(o), f"output {k}")
+                differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
+                self.outputs.append(SubclassOut(site, len(plain), differentiable))
+                if differentiable:
+                    plain.extend(_Unwrap.apply(site, o))
+                else:
+                    flatten(o, site.layout, plain)
+            else:
+                self.outputs.append(PlainOut(len(plain)))
+                plain.append(o)
+        return tuple(plain)
+
+    # -- after the trace ----------------------------------------------------------------------
+
+    def check_mutations(self, plan) -> list[int]:
+        """Subclass arguments the program writes into (their version is bumped per call); refuse what
+        the flattened run time cannot give as eager does."""
+        leaf_of_plain = {}
+        for i, lay in enumerate(self.layouts):
+            if lay is not None:
+                for p in range(*self.ranges[i]):
+                    leaf_of_plain[p] = i
+        mutated = set()
+        for src, m in zip(plan.layout.primal_sources, plan.mutations):
+            i = leaf_of_plain.get(src.leaf)
+            if i is None or not (m.any or m.in_backward):
+                continue
+            if not isinstance(src, FromLeaf) or m.metadata or m.storage or m.in_backward:
+                raise UnsupportedMutationError(
+                    f"aotgrad: the program changes the metadata or storage of subclass input {i} "
+                    f"({self.layouts[i].describe()}) in place (or writes it in the backward, or it shares "
+                    "memory with another input); aotgrad cannot express that on the subclass's inner "
+                    "tensors. Return the new value instead."
+                )
+            mutated.add(i)
+        return sorted(mutated)
+
+    def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for i in mutated:
+            x = leaves[i]
+            if x.requires_grad and x.is_leaf:
+                raise InplaceOnLeafError(
+                    f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
+                    "program modifies it in place; eager refuses that too. Mutate it under torch.no_grad()."
+                )
+            if x.requires_grad:
+                raise UnsupportedMutationError(
+                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad and the program "
+                    "modifies it in place; aotgrad does not rebase a subclass's autograd history. Clone it "
+                    "first, or mutate a tensor that does not require grad."
+                )
+
+    def runner(self, run_plain: Callable, mutated: list[int]) -> Callable:
+        """The run time around the compiled plain function."""
+        for site in self.sites.values():
+            site.tracing = False
+        for o in self.outputs:
+            if isinstance(o, SubclassOut):
+                o.site.tracing = False
+        prologue = _prologue(self)
+        epilogue = _epilogue(self)
+        out_spec = self.out_spec
+        bump = torch.autograd.graph.increment_version
+
+        def run(leaves):
+            plain_out = run_plain(prologue(leaves))
+            flat = epilogue(leaves, plain_out)
+            if mutated:
+                bump(tuple(leaves[i] for i in mutated))
+            return pytree.tree_unflatten(flat, out_spec)
+
+        return run
+
+
+def _refuse_subclass_grad(i: int) -> Callable:
+    def check(grad):
+        if grad is not None and is_subclass(grad):
+            raise UnsupportedInputError(
+                f"aotgrad: input {i} is a plain tensor whose gradient is a {layout_of(grad).describe()} (it "
+                "meets a subclass in the program); a compiled graph returns one plain gradient per plain "
+                f"input. Pass input {i} as that subclass too, or detach it."
+            )
+
+    return check
+
+
+def _base_leaf(o: torch.Tensor, rebuilt: dict[int, int]) -> int | None:
+    base = o._base if o._is_view() else None
+    return rebuilt.get(id(base)) if base is not None else None
+
+
+def _view_of_leaf(o: torch.Tensor, leaf: int, k: int) -> ViewOfLeafOut:
+    base = o._base
+    recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
+    if recorded is None:
+        raise UnsupportedOutputError(
+            f"aotgrad: output {k} is a view of subclass input {leaf} whose view ops cannot be replayed "
+            "on the caller's subclass. Return a .clone() of it."
+        )
+    return ViewOfLeafOut(leaf, ViewChain(steps=recorded[0]))
+
+
+def _prologue(b: Boundary) -> Callable:
+    """Caller leaves -> plain leaves: each subclass argument unwrapped (through `_Unwrap` where its
+    gradient is needed)."""
+    actions = []
+    for i, lay in enumerate(b.layouts):
+        if lay is None:
+            actions.append((0, i, None))
+        elif b.first[i] != i:
+            actions.append((2, i, slice(*b.ranges[b.first[i]])))
+        else:
+            actions.append((1, i, b.sites[i]))
+    unwrap = _Unwrap.apply
+    grad_enabled = torch.is_grad_enabled
+
+    def prologue(leaves):
+        out = []
+        grad = grad_enabled()
+        for kind, i, site in actions:
+            x = leaves[i]
+            if kind == 0:
+                out.append(x)
+            elif kind == 2:
+                out.extend(out[site])
+            elif grad and x.requires_grad:
+                out.extend(unwrap(site, x))
+            else:
+                flatten(x, site.layout, out)
+        return out
+
+    return prologue
+
+
+def _epilogue(b: Boundary) -> Callable:
+    """Plain outputs -> the caller's outputs."""
+    outputs = list(b.outputs)
+    wrap = _Wrap.apply
+
+    def epilogue(leaves, plain):
+        flat = []
+        for o in outputs:
+            if isinstance(o, PlainOut):
+                flat.append(plain[o.position])
+            elif isinstance(o, SubclassOut):
+                inner = plain[o.start : o.start + o.site.layout.num_plain]
+                if o.requires_grad:
+                    flat.append(wrap(o.site, *inner))
+                else:
+                    flat.append(rebuild(o.site.layout, inner))
+            elif isinstance(o, LeafOut):
+                flat.append(leaves[o.leaf])
+            else:
+                flat.append(_replay(leaves[o.leaf], o.chain))
+        return flat
+
+    return epilogue
+
+
+def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
+    value = base
+    for step in chain.steps:
+        value = step.op(value, *step.args, **dict(step.kwargs))
+        if step.item is not None:
+            value = value[step.item]
+    return value
+
+
+def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: Callable) -> Callable:
+    """Compile a call with subclass arguments: the plain pipeline over their inner tensors, with the
+    boundary's prologue/epilogue around its run time."""
+    boundary = Boundary.of(leaves, spec)
+    plain_leaves = boundary.plain_leaves(leaves)
+    plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
+    plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
+    run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
+    mutated = boundary.check_mutations(run_plain.plan)
+    boundary.refuse_grad_mutations(leaves, mutated)
+    log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
+              {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
+    run = boundary.runner(run_plain, mutated)
+    run.plan = run_plain.plan
+    run.compiled = run_plain.compiled
+    run.boundary = boundary
+    return run
