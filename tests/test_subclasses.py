@@ -157,6 +157,7 @@ def test_mixed_with_plain_inputs():
 
     run_both(f, lambda: [two(3, 4), torch.randn(3, 4), 2])
     run_both(lambda x, y, z: (x * 2, y + 1, z * 3), lambda: [two(3), nested(3), torch.randn(3, requires_grad=True)])
+    run_both(lambda x, y: x * y, lambda: [two(3), torch.randn(3, requires_grad=True)])
 
 
 def test_gradient_with_more_inner_tensors_than_the_input_is_refused():
@@ -194,10 +195,12 @@ def test_graphs_hold_only_plain_tensors():
     assert tensors and not any(is_subclass(t) for t in tensors)
 
 
-def test_plain_input_with_subclass_gradient_is_refused():
-    compiled = aotgrad.aot_function(lambda x, y: x * y, nop)
-    with pytest.raises(UnsupportedInputError, match="input 1"):
-        compiled(two(3), torch.randn(3, requires_grad=True))
+def test_plain_input_with_subclass_gradient():
+    # eager: y.grad is a TwoTensor (y meets x); the plain y is passed once per plain gradient
+    compiled, got, ins = run_both(lambda x, y: (x * y).sin(), lambda: [two(3), torch.randn(3, requires_grad=True)])
+    assert type(ins[1].grad) is TwoTensor
+    run_both(lambda x, w, b: torch.relu(x @ w + b),
+             lambda: [two(2, 4, requires_grad=False), torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .errors import AotgradError, UnsupportedOutputError
+
 
 @dataclass(frozen=True)
 class SubclassLayout:
@@ -55,7 +57,7 @@ def is_traced(t: Any) -> bool:
     return isinstance(inner, (FakeTensor, FunctionalTensor)) or is_traced(inner)
 
 
-class NeedsSubclassBoundary(Exception):
+class NeedsSubclassBoundary(AotgradError):
     """Internal: a program over plain arguments returned a subclass; compile it through the
     subclass stage, which flattens outputs too (subclass_wrap.py)."""
 
@@ -71,8 +73,6 @@ def refuse_subclass_tangent(g: torch.Tensor, i: int) -> None:
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     if is_subclass(g) and not isinstance(g, FunctionalTensor) and not is_traced(g):
-        from .errors import UnsupportedOutputError
-
         raise UnsupportedOutputError(
             f"aotgrad: forward output {i} is a plain tensor but its incoming gradient is a "
             f"{layout_of(g).describe()}; the compiled backward was traced for a plain gradient. Call "

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from . import analysis
 from .errors import (
+    AotgradError,
     InplaceOnLeafError,
     UnsupportedInputError,
     UnsupportedMutationError,
@@ -114,6 +115,34 @@ class _Unwrap(torch.autograd.Function):
         return None, ctx.site.rebuild_grad(grads)
 
 
+class _Gather(_Wrap):
+    """Trace side of a plain argument whose gradient is a subclass: the value is the first of its
+    plain stand-ins; the subclass gradient is flattened onto all of them."""
+
+    @staticmethod
+    def forward(ctx, site: _Site, *plains):
+        ctx.site = site
+        return plains[0].detach()
+
+
+class _Spread(_Unwrap):
+    """Run-time side of `_Gather`: the caller's plain argument passed once per plain gradient; their
+    gradients are rebuilt into the subclass gradient eager gives it."""
+
+    @staticmethod
+    def forward(ctx, site: _Site, t):
+        ctx.site = site
+        return tuple(t.detach() for _ in range(site.layout.num_plain))
+
+
+class NeedsGradSpread(AotgradError):
+    """Internal: plain argument `leaf` gets a subclass gradient; compile again with it spread."""
+
+    def __init__(self, leaf: int, layout: SubclassLayout):
+        super().__init__(f"aotgrad: input {leaf} gets a {layout.describe()} gradient")
+        self.leaf, self.layout = leaf, layout
+
+
 # ---------------------------------------------------------------------------------------------
 # What each user output is
 
@@ -154,24 +183,28 @@ class Boundary:
     ranges: list[tuple[int, int]]  # per caller leaf: its plain leaves
     sites: dict[int, _Site]  # per subclass caller leaf
     first: dict[int, int]  # leaf -> the first leaf that is the same object
+    spread: dict[int, _Site]  # plain leaves whose gradient is a subclass (`_Spread`)
     outputs: list = field(default_factory=list)
     out_spec: Any = None
 
     @classmethod
-    def of(cls, leaves: Sequence[Any], spec) -> Boundary:
+    def of(cls, leaves: Sequence[Any], spec, spread: dict[int, SubclassLayout]) -> Boundary:
         layouts, ranges, sites, first, seen = [], [], {}, {}, {}
+        spread_sites = {i: _Site(g, f"input {i}", grad_layout=g) for i, g in spread.items()}
         pos = 0
         for i, x in enumerate(leaves):
             lay = layout_of(x) if isinstance(x, torch.Tensor) else None
             if isinstance(x, torch.Tensor):
                 first[i] = seen.setdefault(id(x), i)
             n = 1 if lay is None else lay.num_plain
+            if i in spread_sites and first[i] == i:
+                n = spread_sites[i].layout.num_plain
             layouts.append(lay)
             ranges.append((pos, pos + n))
             pos += n
             if lay is not None:
                 sites[i] = _Site(lay, f"input {i}")
-        return cls(spec, layouts, ranges, sites, first)
+        return cls(spec, layouts, ranges, sites, first, spread_sites)
 
     def plain_leaves(self, leaves: Sequence[Any]) -> list:
         """The plain arguments of the compiled plain function (the run-time prologue's twin)."""
@@ -179,7 +212,9 @@ class Boundary:
         grad = torch.is_grad_enabled()
         for i, x in enumerate(leaves):
             lay = self.layouts[i]
-            if lay is None:
+            if i in self.spread:
+                out.extend(_Spread.apply(self.spread[i], x))
+            elif lay is None:
                 out.append(x)
             elif self.first[i] != i:  # the same subclass again: the same plain tensors
                 out.extend(out[slice(*self.ranges[self.first[i]])])
@@ -199,10 +234,13 @@ class Boundary:
             leaves, rebuilt = [], {}
             for i, lay in enumerate(self.layouts):
                 start, stop = self.ranges[i]
+                if i in self.spread:
+                    leaves.append(_Gather.apply(self.spread[i], *plain[start:stop]))
+                    continue
                 if lay is None:
                     leaves.append(plain[start])
                     if isinstance(plain[start], torch.Tensor) and plain[start].requires_grad:
-                        plain[start].register_hook(_refuse_subclass_grad(i))
+                        plain[start].register_hook(_needs_spread(i))
                     continue
                 if self.first[i] != i:
                     leaves.append(leaves[self.first[i]])
@@ -287,7 +325,7 @@ class Boundary:
 
     def runner(self, run_plain: Callable, mutated: list[int]) -> Callable:
         """The run time around the compiled plain function."""
-        for site in self.sites.values():
+        for site in (*self.sites.values(), *self.spread.values()):
             site.tracing = False
         for o in self.outputs:
             if isinstance(o, SubclassOut):
@@ -307,14 +345,10 @@ class Boundary:
         return run
 
 
-def _refuse_subclass_grad(i: int) -> Callable:
+def _needs_spread(i: int) -> Callable:
     def check(grad):
         if grad is not None and is_subclass(grad):
-            raise UnsupportedInputError(
-                f"aotgrad: input {i} is a plain tensor whose gradient is a {layout_of(grad).describe()} (it "
-                "meets a subclass in the program); a compiled graph returns one plain gradient per plain "
-                f"input. Pass input {i} as that subclass too, or detach it."
-            )
+            raise NeedsGradSpread(i, layout_of(grad))
 
     return check
 
@@ -340,13 +374,15 @@ def _prologue(b: Boundary) -> Callable:
     gradient is needed)."""
     actions = []
     for i, lay in enumerate(b.layouts):
-        if lay is None:
+        if i in b.spread:
+            actions.append((3, i, b.spread[i]))
+        elif lay is None:
             actions.append((0, i, None))
         elif b.first[i] != i:
             actions.append((2, i, slice(*b.ranges[b.first[i]])))
         else:
             actions.append((1, i, b.sites[i]))
-    unwrap = _Unwrap.apply
+    unwrap, spread = _Unwrap.apply, _Spread.apply
     grad_enabled = torch.is_grad_enabled
 
     def prologue(leaves):
@@ -358,6 +394,8 @@ def _prologue(b: Boundary) -> Callable:
                 out.append(x)
             elif kind == 2:
                 out.extend(out[site])
+            elif kind == 3:
+                out.extend(spread(site, x))
             elif grad and x.requires_grad:
                 out.extend(unwrap(site, x))
             else:
@@ -404,11 +442,19 @@ def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
 def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: Callable) -> Callable:
     """Compile a call with subclass arguments: the plain pipeline over their inner tensors, with the
     boundary's prologue/epilogue around its run time."""
-    boundary = Boundary.of(leaves, spec)
-    plain_leaves = boundary.plain_leaves(leaves)
-    plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
-    plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
-    run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
+    spread: dict[int, SubclassLayout] = {}
+    while True:
+        boundary = Boundary.of(leaves, spec, spread)
+        plain_leaves = boundary.plain_leaves(leaves)
+        plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
+        plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
+        try:
+            run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
+            break
+        except NeedsGradSpread as e:  # a plain argument whose gradient is a subclass
+            if e.leaf in spread:
+                raise
+            spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
     boundary.refuse_grad_mutations(leaves, mutated)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
