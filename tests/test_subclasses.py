@@ -238,6 +238,26 @@ def test_output_views_of_subclass_input():
         assert o._is_view() and o._base is ins[0]
 
 
+def test_output_views_of_intermediates():
+    def f(x):
+        y = x * 2
+        return y.view(-1), y.t(), (x + 1)[0]
+
+    compiled, got, ins = run_both(f, lambda: [two(3, 4)])
+    assert got[0]._base is got[1]._base and got[0]._is_view() and got[2]._is_view()
+    got[0].mul_(2)  # an in-place op through one view reaches the other, as in eager
+    torch.testing.assert_close(got[1].a, got[0].a.view(3, 4).t())
+
+
+def test_output_view_of_another_output_and_repeats():
+    def f(x):
+        y = x * 2
+        return y.view(-1), y, y
+
+    compiled, got, ins = run_both(f, lambda: [two(3, 4)])
+    assert got[0]._base is got[1] and got[1] is got[2]
+
+
 def test_output_views_without_grad():
     compiled, got, ins = run_both(lambda x: x.view(-1), lambda: [two(3, 4, requires_grad=False)])
     assert got._base is ins[0]

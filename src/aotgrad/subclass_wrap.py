@@ -170,6 +170,19 @@ class ViewOfLeafOut:
     chain: ViewChain
 
 
+@dataclass(frozen=True)
+class ViewOut:
+    """A view of another output entry (a user output, or an intermediate base rebuilt for it)."""
+
+    base: int
+    chain: ViewChain
+
+
+@dataclass(frozen=True)
+class SameAs:
+    entry: int
+
+
 # ---------------------------------------------------------------------------------------------
 # One signature's boundary
 
@@ -185,6 +198,7 @@ class Boundary:
     first: dict[int, int]  # leaf -> the first leaf that is the same object
     spread: dict[int, _Site]  # plain leaves whose gradient is a subclass (`_Spread`)
     outputs: list = field(default_factory=list)
+    num_user: int = 0
     out_spec: Any = None
 
     @classmethod
@@ -261,24 +275,43 @@ class Boundary:
         return fn_plain
 
     def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
-        self.outputs = []
+        """The plain values the graph returns for the user's outputs; `self.outputs` says how each
+        user output is rebuilt (entries past `self.num_user` are bases of views, rebuilt first)."""
+        self.outputs, self.num_user = [], len(flat)
+        entries: dict[int, int] = {}  # id(subclass tensor) -> its entry, so a base is built once
         plain: list = []
+        pending = list(enumerate(flat))
         for k, o in enumerate(flat):
-            if isinstance(o, torch.Tensor) and id(o) in rebuilt:
-                self.outputs.append(LeafOut(rebuilt[id(o)]))
-            elif isinstance(o, torch.Tensor) and is_subclass(o) and _base_leaf(o, rebuilt) is not None:
-                self.outputs.append(_view_of_leaf(o, _base_leaf(o, rebuilt), k))
-            elif isinstance(o, torch.Tensor) and is_subclass(o):
+            self.outputs.append(None)
+            if isinstance(o, torch.Tensor) and is_subclass(o):
+                entries.setdefault(id(o), k)
+        while pending:
+            k, o = pending.pop(0)
+            if not (isinstance(o, torch.Tensor) and is_subclass(o)):
+                self.outputs[k] = PlainOut(len(plain))
+                plain.append(o)
+            elif id(o) in rebuilt:
+                self.outputs[k] = LeafOut(rebuilt[id(o)])
+            elif entries[id(o)] != k:
+                self.outputs[k] = SameAs(entries[id(o)])
+            elif o._is_view() and is_subclass(o._base):
+                base = o._base
+                if id(base) not in entries:  # an intermediate: rebuilt too, then the view taken
+                    entries[id(base)] = len(self.outputs)
+                    self.outputs.append(None)
+                    pending.append((entries[id(base)], base))
+                self.outputs[k] = ViewOut(entries[id(base)], _chain(o, k))
+            else:
                 site = _Site(layout_of(o), f"output {k}")
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
-                self.outputs.append(SubclassOut(site, len(plain), differentiable))
+                self.outputs[k] = SubclassOut(site, len(plain), differentiable)
                 if differentiable:
                     plain.extend(_Unwrap.apply(site, o))
                 else:
                     flatten(o, site.layout, plain)
-            else:
-                self.outputs.append(PlainOut(len(plain)))
-                plain.append(o)
+        for k, o in enumerate(self.outputs):  # a view of an input: the caller's subclass is the base
+            if isinstance(o, ViewOut) and isinstance(self.outputs[o.base], LeafOut):
+                self.outputs[k] = ViewOfLeafOut(self.outputs[o.base].leaf, o.chain)
         return tuple(plain)
 
     # -- after the trace ----------------------------------------------------------------------
@@ -353,20 +386,16 @@ def _needs_spread(i: int) -> Callable:
     return check
 
 
-def _base_leaf(o: torch.Tensor, rebuilt: dict[int, int]) -> int | None:
-    base = o._base if o._is_view() else None
-    return rebuilt.get(id(base)) if base is not None else None
-
-
-def _view_of_leaf(o: torch.Tensor, leaf: int, k: int) -> ViewOfLeafOut:
+def _chain(o: torch.Tensor, k: int) -> ViewChain:
+    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base."""
     base = o._base
     recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
     if recorded is None:
         raise UnsupportedOutputError(
-            f"aotgrad: output {k} is a view of subclass input {leaf} whose view ops cannot be replayed "
-            "on the caller's subclass. Return a .clone() of it."
+            f"aotgrad: output {k} is a view of a {type(base).__name__} whose view ops cannot be replayed "
+            "on the rebuilt subclass. Return a .clone() of it."
         )
-    return ViewOfLeafOut(leaf, ViewChain(steps=recorded[0]))
+    return ViewChain(steps=recorded[0])
 
 
 def _prologue(b: Boundary) -> Callable:
@@ -406,26 +435,31 @@ def _prologue(b: Boundary) -> Callable:
 
 
 def _epilogue(b: Boundary) -> Callable:
-    """Plain outputs -> the caller's outputs."""
+    """Plain outputs -> the caller's outputs (bases of views built before the views)."""
     outputs = list(b.outputs)
+    rank = {ViewOut: 1, ViewOfLeafOut: 1, SameAs: 2}  # bases, then views of them, then repeats
+    order = sorted(range(len(outputs)), key=lambda k: rank.get(type(outputs[k]), 0))
+    num_user = b.num_user
     wrap = _Wrap.apply
 
     def epilogue(leaves, plain):
-        flat = []
-        for o in outputs:
+        built = [None] * len(outputs)
+        for k in order:
+            o = outputs[k]
             if isinstance(o, PlainOut):
-                flat.append(plain[o.position])
+                built[k] = plain[o.position]
             elif isinstance(o, SubclassOut):
                 inner = plain[o.start : o.start + o.site.layout.num_plain]
-                if o.requires_grad:
-                    flat.append(wrap(o.site, *inner))
-                else:
-                    flat.append(rebuild(o.site.layout, inner))
+                built[k] = wrap(o.site, *inner) if o.requires_grad else rebuild(o.site.layout, inner)
             elif isinstance(o, LeafOut):
-                flat.append(leaves[o.leaf])
+                built[k] = leaves[o.leaf]
+            elif isinstance(o, ViewOfLeafOut):
+                built[k] = _replay(leaves[o.leaf], o.chain)
+            elif isinstance(o, ViewOut):
+                built[k] = _replay(built[o.base], o.chain)
             else:
-                flat.append(_replay(leaves[o.leaf], o.chain))
-        return flat
+                built[k] = built[o.entry]
+        return built[:num_user]
 
     return epilogue
 
