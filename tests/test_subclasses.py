@@ -429,3 +429,43 @@ def test_inner_aliasing_recompiles():
     compiled(y)
     torch.testing.assert_close(y.a, torch.ones(3))
     assert len(compiled.cache) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. torch.compile
+
+
+def _compile_and_check(backend, shapes=((3, 4),)):
+    def f(x, y, z):
+        return (x * y).sin() + z, x.view(-1)
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    for shape in shapes:
+        x, y, z = two(*shape), two(*shape, requires_grad=False), torch.randn(*shape, requires_grad=True)
+        xs, ys, zs = _clone(x), _clone(y), _clone(z)
+        expected, got = f(x, y, z), compiled(xs, ys, zs)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, f"output {i}")
+        torch.autograd.backward([o.sum() for o in expected])
+        torch.autograd.backward([o.sum() for o in got])
+        assert_same(xs.grad, x.grad, "x.grad")
+        assert_same(zs.grad, z.grad, "z.grad")
+
+
+def test_torch_compile_eager_backend():
+    torch._dynamo.reset()
+    _compile_and_check("aotgrad_eager", shapes=((3, 4), (5, 4)))
+
+
+def test_torch_compile_module_with_parameter_subclass():
+    torch._dynamo.reset()
+    m, m2 = _module_pair()
+    _check_module(m, m2, torch.compile(m2, backend="aotgrad_eager"), two(2, 4, requires_grad=False))
+
+
+@pytest.mark.long
+def test_torch_compile_inductor():
+    torch._dynamo.reset()
+    _compile_and_check("aotgrad")
+    m, m2 = _module_pair()
+    _check_module(m, m2, torch.compile(m2, backend="aotgrad"), torch.randn(2, 4))
