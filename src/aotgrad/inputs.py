@@ -251,8 +251,7 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
             scope[f"_S{i}"], scope[f"_ST{i}"] = x.shape, x.stride()
             scope[f"_D{i}"], scope[f"_DEV{i}"] = x.dtype, x.device
             if type(x) is not torch.Tensor and is_traceable_wrapper_subclass(x):
-                scope["_tensor_key"], scope[f"_K{i}"] = tensor_key, tensor_key(x)
-                conds.append(f"_tensor_key({v}) == _K{i}")
+                conds += subclass_layout.guard_conditions(x, v, scope, _inner_tensor_conds)
             conds += [
                 f"type({v}) is _T{i}", f"{v}.requires_grad is {x.requires_grad}", f"{v}.shape == _S{i}",
                 f"{v}.stride() == _ST{i}", f"{v}.storage_offset() == {x.storage_offset()}",
@@ -268,14 +267,41 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
     if check_aliasing:
         scope["_AK"] = alias_key(leaves)
         conds.append("_alias_key(args) == _AK")
-    if any(isinstance(x, torch.Tensor) and is_wrapper(x) for x in leaves):
-        scope["_inner"], scope["_IAK"] = subclass_layout.with_inner_tensors, alias_key(subclass_layout.with_inner_tensors(leaves))
-        conds.append("_alias_key(_inner(args)) == _IAK")
+    if "_inner_tensors" in scope:  # subclass arguments: their inner tensors' identities (merged primals)
+        conds += _inner_identity_conds(leaves, scope.pop("_inner_tensors"))
+        if check_aliasing:
+            scope["_inner"], scope["_IAK"] = subclass_layout.with_inner_tensors, alias_key(
+                subclass_layout.with_inner_tensors(leaves))
+            conds.append("_alias_key(_inner(args)) == _IAK")
     src = "def guard(args):\n    return (\n        " + "\n        and ".join(conds) + "\n    )\n"
     exec(compile(src, "<aotgrad guard>", "exec"), scope)
     guard = scope["guard"]
     guard.__aotgrad_source__ = src
     return guard
+
+
+def _inner_identity_conds(leaves: Sequence[Any], inner: list[tuple[torch.Tensor, str]]) -> list[str]:
+    """`is` checks for inner tensors that were one object (with each other or an argument) when compiled."""
+    first: dict[int, str] = {id(x): f"args[{i}]" for i, x in reversed(list(enumerate(leaves)))
+                             if isinstance(x, torch.Tensor)}
+    conds = []
+    for t, v in inner:
+        if first.setdefault(id(t), v) != v:
+            conds.append(f"{v} is {first[id(t)]}")
+    return conds
+
+
+def _inner_tensor_conds(t: torch.Tensor, v: str, scope: dict) -> list[str]:
+    """A plain inner tensor of a subclass argument, checked as a plain argument is."""
+    scope.setdefault("_inner_tensors", []).append((t, v))
+    n = len(scope)
+    scope[f"_IT{n}"], scope[f"_IS{n}"], scope[f"_IST{n}"] = type(t), t.shape, t.stride()
+    scope[f"_ID{n}"], scope[f"_IDEV{n}"] = t.dtype, t.device
+    return [
+        f"type({v}) is _IT{n}", f"{v}.requires_grad is {t.requires_grad}", f"{v}.is_leaf is {t.is_leaf}",
+        f"{v}.shape == _IS{n}", f"{v}.stride() == _IST{n}", f"{v}.storage_offset() == {t.storage_offset()}",
+        f"{v}.dtype is _ID{n}", f"{v}.device == _IDEV{n}",
+    ]
 
 
 def symbol_sources(leaves: Sequence[Any], symbols: set) -> tuple[SymbolSource, ...]:

@@ -10,7 +10,7 @@ recompiles (subclass_wrap.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +135,36 @@ def same_structure(a: SubclassLayout | None, b: SubclassLayout | None) -> bool:
         a.cls is b.cls and a.ctx_key == b.ctx_key and a.attrs == b.attrs
         and all(same_structure(x, y) for x, y in zip(a.inner, b.inner))
     )
+
+
+def guard_conditions(x: torch.Tensor, v: str, scope: dict, tensor_conds: Callable) -> list[str]:
+    """Conditions that argument expression `v` is a subclass of `x`'s layout over plain inner tensors
+    like `x`'s (`tensor_conds(t, expr)` gives a plain tensor's conditions)."""
+    return _layout_conds(x, layout_of(x), v, scope, tensor_conds)
+
+
+def _layout_conds(x, layout: SubclassLayout, v: str, scope: dict, tensor_conds: Callable) -> list[str]:
+    n = len(scope)
+    scope[f"_SC{n}"], scope[f"_SA{n}"] = layout.cls, layout.attrs
+    conds = [f"type({v}) is _SC{n}"]
+    if layout.ctx is None:
+        conds.append(f"{v}.__tensor_flatten__() == (list(_SA{n}), None)")
+    else:
+        scope[f"_SX{n}"] = layout.ctx_key
+        scope["_flatten_key"] = _flatten_key
+        conds.append(f"_flatten_key({v}) == (list(_SA{n}), _SX{n})")
+    for attr, inner in zip(layout.attrs, layout.inner):
+        expr = f"{v}.{attr}"
+        if inner is None:
+            conds += tensor_conds(getattr(x, attr), expr, scope)
+        else:
+            conds += _layout_conds(getattr(x, attr), inner, expr, scope, tensor_conds)
+    return conds
+
+
+def _flatten_key(t: torch.Tensor) -> tuple:
+    attrs, ctx = t.__tensor_flatten__()
+    return list(attrs), _ctx_key(ctx)
 
 
 def signature_part(t: torch.Tensor, tensor_key) -> tuple:

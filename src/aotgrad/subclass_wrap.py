@@ -40,6 +40,7 @@ from .errors import (
 )
 from .plan import FromLeaf, ViewChain
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
+from .subclass_runtime import build_run
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -197,6 +198,7 @@ class Boundary:
     sites: dict[int, _Site]  # per subclass caller leaf
     first: dict[int, int]  # leaf -> the first leaf that is the same object
     spread: dict[int, _Site]  # plain leaves whose gradient is a subclass (`_Spread`)
+    requires_grad: list[bool]  # per caller leaf
     outputs: list = field(default_factory=list)
     num_user: int = 0
     out_spec: Any = None
@@ -218,7 +220,8 @@ class Boundary:
             pos += n
             if lay is not None:
                 sites[i] = _Site(lay, f"input {i}")
-        return cls(spec, layouts, ranges, sites, first, spread_sites)
+        requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+        return cls(spec, layouts, ranges, sites, first, spread_sites, requires_grad)
 
     def plain_leaves(self, leaves: Sequence[Any]) -> list:
         """The plain arguments of the compiled plain function (the run-time prologue's twin)."""
@@ -363,19 +366,8 @@ class Boundary:
         for o in self.outputs:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
-        prologue = _prologue(self)
-        epilogue = _epilogue(self)
-        out_spec = self.out_spec
-        bump = torch.autograd.graph.increment_version
-
-        def run(leaves):
-            plain_out = run_plain(prologue(leaves))
-            flat = epilogue(leaves, plain_out)
-            if mutated:
-                bump(tuple(leaves[i] for i in mutated))
-            return pytree.tree_unflatten(flat, out_spec)
-
-        return run
+        fns = {"unwrap": _Unwrap.apply, "spread": _Spread.apply, "wrap": _Wrap.apply, "replay": _replay}
+        return build_run(self, run_plain, mutated, fns)
 
 
 def _needs_spread(i: int) -> Callable:
@@ -396,72 +388,6 @@ def _chain(o: torch.Tensor, k: int) -> ViewChain:
             "on the rebuilt subclass. Return a .clone() of it."
         )
     return ViewChain(steps=recorded[0])
-
-
-def _prologue(b: Boundary) -> Callable:
-    """Caller leaves -> plain leaves: each subclass argument unwrapped (through `_Unwrap` where its
-    gradient is needed)."""
-    actions = []
-    for i, lay in enumerate(b.layouts):
-        if i in b.spread:
-            actions.append((3, i, b.spread[i]))
-        elif lay is None:
-            actions.append((0, i, None))
-        elif b.first[i] != i:
-            actions.append((2, i, slice(*b.ranges[b.first[i]])))
-        else:
-            actions.append((1, i, b.sites[i]))
-    unwrap, spread = _Unwrap.apply, _Spread.apply
-    grad_enabled = torch.is_grad_enabled
-
-    def prologue(leaves):
-        out = []
-        grad = grad_enabled()
-        for kind, i, site in actions:
-            x = leaves[i]
-            if kind == 0:
-                out.append(x)
-            elif kind == 2:
-                out.extend(out[site])
-            elif kind == 3:
-                out.extend(spread(site, x))
-            elif grad and x.requires_grad:
-                out.extend(unwrap(site, x))
-            else:
-                flatten(x, site.layout, out)
-        return out
-
-    return prologue
-
-
-def _epilogue(b: Boundary) -> Callable:
-    """Plain outputs -> the caller's outputs (bases of views built before the views)."""
-    outputs = list(b.outputs)
-    rank = {ViewOut: 1, ViewOfLeafOut: 1, SameAs: 2}  # bases, then views of them, then repeats
-    order = sorted(range(len(outputs)), key=lambda k: rank.get(type(outputs[k]), 0))
-    num_user = b.num_user
-    wrap = _Wrap.apply
-
-    def epilogue(leaves, plain):
-        built = [None] * len(outputs)
-        for k in order:
-            o = outputs[k]
-            if isinstance(o, PlainOut):
-                built[k] = plain[o.position]
-            elif isinstance(o, SubclassOut):
-                inner = plain[o.start : o.start + o.site.layout.num_plain]
-                built[k] = wrap(o.site, *inner) if o.requires_grad else rebuild(o.site.layout, inner)
-            elif isinstance(o, LeafOut):
-                built[k] = leaves[o.leaf]
-            elif isinstance(o, ViewOfLeafOut):
-                built[k] = _replay(leaves[o.leaf], o.chain)
-            elif isinstance(o, ViewOut):
-                built[k] = _replay(built[o.base], o.chain)
-            else:
-                built[k] = built[o.entry]
-        return built[:num_user]
-
-    return epilogue
 
 
 def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
