@@ -366,8 +366,23 @@ class Boundary:
         for o in self.outputs:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
-        fns = {"unwrap": _Unwrap.apply, "spread": _Spread.apply, "wrap": _Wrap.apply, "replay": _replay}
+        fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
+               "replay": _replay}
         return build_run(self, run_plain, mutated, fns)
+
+
+def _fast_apply(fn: type) -> Callable:
+    """`fn.apply` without `Function.apply`'s per-argument Python work (default-argument binding,
+    functorch's dead-wrapper unwrapping) when no functorch transform is active, as is the case
+    for a plain call."""
+    direct = super(torch.autograd.Function, fn).apply
+    slow = fn.apply
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return slow(*args) if transforms_active() else direct(*args)
+
+    return apply
 
 
 def _needs_spread(i: int) -> Callable:
