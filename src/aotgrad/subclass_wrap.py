@@ -22,6 +22,7 @@ returns them (the argument, or its view replayed on the caller's subclass).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -270,7 +271,21 @@ class Boundary:
                 rebuilt[id(t)] = i
                 leaves.append(t)
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+            before = {i: (_metadata(leaves[i]), leaves[i].grad_fn) for i in rebuilt.values()}
             out = fn(*args, **kwargs)
+            for i, (meta, grad_fn) in before.items():
+                if grad_fn is None and leaves[i].grad_fn is not None:
+                    raise UnsupportedMutationError(
+                        f"aotgrad: the program writes a value that requires grad into subclass input {i} "
+                        f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass "
+                        "input autograd history. Return the value instead."
+                    )
+                if _metadata(leaves[i]) != meta:
+                    raise UnsupportedMutationError(
+                        f"aotgrad: the program changes the metadata of subclass input {i} "
+                        f"({self.layouts[i].describe()}) in place (t_(), transpose_(), as_strided_()...); "
+                        "aotgrad cannot replay that on the caller's subclass. Return the view instead."
+                    )
             flat, self.out_spec = pytree.tree_flatten(out)
             return self._flatten_outputs(flat, rebuilt)
 
@@ -328,10 +343,17 @@ class Boundary:
                 for p in range(*self.ranges[i]):
                     leaf_of_plain[p] = i
         mutated = set()
+        leaves_requiring_grad = self.requires_grad
         for src, m in zip(plan.layout.primal_sources, plan.mutations):
             i = leaf_of_plain.get(src.leaf)
             if i is None or not (m.any or m.in_backward):
                 continue
+            if m.visible_to_autograd and not leaves_requiring_grad[i]:
+                raise UnsupportedMutationError(
+                    f"aotgrad: the program writes a value that requires grad into subclass input {i} "
+                    f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass input "
+                    "autograd history. Return the value instead."
+                )
             if not isinstance(src, FromLeaf) or m.metadata or m.storage or m.in_backward:
                 raise UnsupportedMutationError(
                     f"aotgrad: the program changes the metadata or storage of subclass input {i} "
@@ -393,6 +415,13 @@ def _needs_spread(i: int) -> Callable:
     return check
 
 
+def _metadata(t: torch.Tensor) -> tuple:
+    """Sizes, strides and offsets of a subclass and of its plain inner tensors."""
+    plains: list = []
+    flatten(t, layout_of(t), plains)
+    return tuple((tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (t, *plains))
+
+
 def _chain(o: torch.Tensor, k: int) -> ViewChain:
     """The view ops that made subclass output `o` from its base, to replay on the rebuilt base."""
     base = o._base
@@ -402,15 +431,19 @@ def _chain(o: torch.Tensor, k: int) -> ViewChain:
             f"aotgrad: output {k} is a view of a {type(base).__name__} whose view ops cannot be replayed "
             "on the rebuilt subclass. Return a .clone() of it."
         )
-    return ViewChain(steps=recorded[0])
+    steps = recorded[0]
+    if base.requires_grad and o.grad_fn is None:  # taken under no_grad: replayed under it
+        return ViewChain(steps=steps, no_grad_steps=len(steps))
+    return ViewChain(steps=steps)
 
 
 def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
-    value = base
-    for step in chain.steps:
-        value = step.op(value, *step.args, **dict(step.kwargs))
-        if step.item is not None:
-            value = value[step.item]
+    with torch.no_grad() if chain.no_grad_steps else contextlib.nullcontext():
+        value = base
+        for step in chain.steps:
+            value = step.op(value, *step.args, **dict(step.kwargs))
+            if step.item is not None:
+                value = value[step.item]
     return value
 
 
