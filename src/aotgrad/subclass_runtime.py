@@ -86,10 +86,12 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
                 src.emit(f"o{k} = {_rebuild_src(src, o.site.layout, values)}")
         elif kind == "LeafOut":
             src.emit(f"o{k} = l{o.leaf}")
-        elif kind == "ViewOfLeafOut":
-            src.emit(f"o{k} = {src.bind('replay', replay)}(l{o.leaf}, {src.bind('chain', o.chain)})")
-        elif kind == "ViewOut":
-            src.emit(f"o{k} = {src.bind('replay', replay)}(o{o.base}, {src.bind('chain', o.chain)})")
+        elif kind in ("ViewOfLeafOut", "ViewOut"):
+            base = f"l{o.leaf}" if kind == "ViewOfLeafOut" else f"o{o.base}"
+            src.emit(f"o{k} = {src.bind('replay', replay)}({base}, {src.bind('chain', o.chain)})")
+            if o.creation_meta is not None:
+                set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
+                src.emit(f"{set_meta}(o{k}, {src.bind('meta', o.creation_meta)})")
         else:
             src.emit(f"o{k} = o{o.entry}")
     if mutated:

@@ -170,6 +170,7 @@ class LeafOut:
 class ViewOfLeafOut:
     leaf: int
     chain: ViewChain
+    creation_meta: Any = None  # eager's CreationMeta of the view where it is not DEFAULT
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class ViewOut:
 
     base: int
     chain: ViewChain
+    creation_meta: Any = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ class Boundary:
     spread: dict[int, _Site]  # plain leaves whose gradient is a subclass (`_Spread`)
     requires_grad: list[bool]  # per caller leaf
     outputs: list = field(default_factory=list)
+    bumped: set = field(default_factory=set)  # subclass arguments whose version eager bumps
     num_user: int = 0
     out_spec: Any = None
 
@@ -271,21 +274,12 @@ class Boundary:
                 rebuilt[id(t)] = i
                 leaves.append(t)
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-            before = {i: (_metadata(leaves[i]), leaves[i].grad_fn) for i in rebuilt.values()}
+            before = {i: _state(leaves[i]) for i in rebuilt.values()}
+            versions = {i: leaves[i]._version for i in rebuilt.values()}
             out = fn(*args, **kwargs)
-            for i, (meta, grad_fn) in before.items():
-                if grad_fn is None and leaves[i].grad_fn is not None:
-                    raise UnsupportedMutationError(
-                        f"aotgrad: the program writes a value that requires grad into subclass input {i} "
-                        f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass "
-                        "input autograd history. Return the value instead."
-                    )
-                if _metadata(leaves[i]) != meta:
-                    raise UnsupportedMutationError(
-                        f"aotgrad: the program changes the metadata of subclass input {i} "
-                        f"({self.layouts[i].describe()}) in place (t_(), transpose_(), as_strided_()...); "
-                        "aotgrad cannot replay that on the caller's subclass. Return the view instead."
-                    )
+            for i, state in before.items():
+                _check_state(i, self.layouts[i], state, _state(leaves[i]))
+            self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
             flat, self.out_spec = pytree.tree_flatten(out)
             return self._flatten_outputs(flat, rebuilt)
 
@@ -318,7 +312,7 @@ class Boundary:
                     entries[id(base)] = len(self.outputs)
                     self.outputs.append(None)
                     pending.append((entries[id(base)], base))
-                self.outputs[k] = ViewOut(entries[id(base)], _chain(o, k))
+                self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
             else:
                 site = _Site(layout_of(o), f"output {k}")
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
@@ -329,7 +323,7 @@ class Boundary:
                     flatten(o, site.layout, plain)
         for k, o in enumerate(self.outputs):  # a view of an input: the caller's subclass is the base
             if isinstance(o, ViewOut) and isinstance(self.outputs[o.base], LeafOut):
-                self.outputs[k] = ViewOfLeafOut(self.outputs[o.base].leaf, o.chain)
+                self.outputs[k] = ViewOfLeafOut(self.outputs[o.base].leaf, o.chain, o.creation_meta)
         return tuple(plain)
 
     # -- after the trace ----------------------------------------------------------------------
@@ -362,7 +356,7 @@ class Boundary:
                     "tensors. Return the new value instead."
                 )
             mutated.add(i)
-        return sorted(mutated)
+        return sorted(mutated | self.bumped)
 
     def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int]) -> None:
         if not torch.is_grad_enabled():
@@ -415,6 +409,26 @@ def _needs_spread(i: int) -> Callable:
     return check
 
 
+def _state(t: torch.Tensor) -> tuple:
+    return _metadata(t), t.requires_grad, t.grad_fn
+
+
+def _check_state(i: int, layout: SubclassLayout, before: tuple, after: tuple) -> None:
+    """Refuse what the program did to subclass input `i` that the flattened run time cannot replay on
+    the caller's subclass: metadata changed in place, autograd state changed (a write of a value
+    requiring grad, detach_(), requires_grad_())."""
+    what = None
+    if after[0] != before[0]:
+        what = "changes the metadata of", "(t_(), transpose_(), as_strided_()...)"
+    elif after[1] != before[1] or (after[2] is not before[2] and not before[1]):
+        what = "changes the autograd state of", "(detach_(), requires_grad_(), a write of a value requiring grad)"
+    if what is not None:
+        raise UnsupportedMutationError(
+            f"aotgrad: the program {what[0]} subclass input {i} ({layout.describe()}) in place {what[1]}; aotgrad "
+            "cannot replay that on the caller's subclass. Return a new tensor instead."
+        )
+
+
 def _metadata(t: torch.Tensor) -> tuple:
     """Sizes, strides and offsets of a subclass and of its plain inner tensors."""
     plains: list = []
@@ -422,25 +436,38 @@ def _metadata(t: torch.Tensor) -> tuple:
     return tuple((tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (t, *plains))
 
 
-def _chain(o: torch.Tensor, k: int) -> ViewChain:
-    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base."""
+def _chain(o: torch.Tensor, k: int) -> tuple[ViewChain, Any]:
+    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base, and
+    the view's CreationMeta where it is not DEFAULT (in-place ops on it then fail as in eager)."""
     base = o._base
     recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
-    if recorded is None:
+    if recorded is None or analysis.meta_of(recorded[1]) != analysis.meta_of(o):
         raise UnsupportedOutputError(
             f"aotgrad: output {k} is a view of a {type(base).__name__} whose view ops cannot be replayed "
-            "on the rebuilt subclass. Return a .clone() of it."
+            "on the rebuilt subclass (or whose metadata was changed in place). Return a .clone() of it."
         )
     steps = recorded[0]
+    meta = torch._C._autograd._get_creation_meta(o)
+    meta = None if meta == torch._C._autograd.CreationMeta.DEFAULT else meta
+    no_grad_steps = 0
     if base.requires_grad and o.grad_fn is None:  # taken under no_grad: replayed under it
-        return ViewChain(steps=steps, no_grad_steps=len(steps))
-    return ViewChain(steps=steps)
+        no_grad_steps = len(steps)
+    elif base.requires_grad:  # the first steps taken under no_grad, the last ones with grad
+        names, reached = analysis._autograd_path(o, base)
+        if not reached:
+            if len(names) > len(steps):
+                raise UnsupportedOutputError(
+                    f"aotgrad: output {k} is a view of a {type(base).__name__} taken partly under no_grad, "
+                    "in steps aotgrad cannot tell apart. Return a .clone() of it."
+                )
+            no_grad_steps = len(steps) - len(names)
+    return ViewChain(steps=steps, no_grad_steps=no_grad_steps), meta
 
 
 def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
-    with torch.no_grad() if chain.no_grad_steps else contextlib.nullcontext():
-        value = base
-        for step in chain.steps:
+    value = base
+    for k, step in enumerate(chain.steps):
+        with torch.no_grad() if k < chain.no_grad_steps else contextlib.nullcontext():
             value = step.op(value, *step.args, **dict(step.kwargs))
             if step.item is not None:
                 value = value[step.item]
