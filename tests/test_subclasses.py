@@ -203,6 +203,12 @@ def test_plain_input_with_subclass_gradient():
              lambda: [two(2, 4, requires_grad=False), torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)])
 
 
+def test_jagged_nested_tensor_input_is_refused():
+    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged, requires_grad=True)
+    with pytest.raises(UnsupportedInputError, match="input 0 is a jagged NestedTensor"):
+        aotgrad.aot_function(lambda x: x.sin(), nop)(nt)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Outputs
 

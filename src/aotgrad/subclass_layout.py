@@ -21,6 +21,13 @@ from .errors import AotgradError, UnsupportedOutputError
 
 
 @dataclass(frozen=True)
+class Opaque:
+    """An inner attribute that is not a tensor (DTensor's device mesh): kept as is, not flattened."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
 class SubclassLayout:
     """One subclass tensor: `cls.__tensor_unflatten__({attr: inner...}, ctx, outer_size, outer_stride)`.
 
@@ -31,14 +38,26 @@ class SubclassLayout:
     ctx: Any = field(compare=False, hash=False)
     ctx_key: Any
     attrs: tuple[str, ...]
-    inner: tuple[SubclassLayout | None, ...]
+    inner: tuple[SubclassLayout | Opaque | None, ...]
     outer_size: tuple
     outer_stride: tuple
     num_plain: int
 
     def describe(self) -> str:
-        kids = ", ".join(f"{a}={'Tensor' if k is None else k.describe()}" for a, k in zip(self.attrs, self.inner))
+        kids = ", ".join(f"{a}={_describe(k)}" for a, k in zip(self.attrs, self.inner))
         return f"{self.cls.__name__}({kids})"
+
+
+def _describe(k) -> str:
+    return "Tensor" if k is None else type(k.value).__name__ if isinstance(k, Opaque) else k.describe()
+
+
+def _inner_layout(x: Any):
+    return layout_of(x) if isinstance(x, torch.Tensor) else Opaque(x)
+
+
+def _num_plain(k) -> int:
+    return 1 if k is None else 0 if isinstance(k, Opaque) else k.num_plain
 
 
 def is_subclass(t: Any) -> bool:
@@ -54,7 +73,7 @@ def is_traced(t: Any) -> bool:
 
     attrs, _ = t.__tensor_flatten__()
     inner = getattr(t, attrs[0]) if attrs else None
-    return isinstance(inner, (FakeTensor, FunctionalTensor)) or is_traced(inner)
+    return isinstance(inner, (FakeTensor, FunctionalTensor)) or (isinstance(inner, torch.Tensor) and is_traced(inner))
 
 
 class NeedsSubclassBoundary(AotgradError):
@@ -93,19 +112,18 @@ def layout_of(t: torch.Tensor) -> SubclassLayout | None:
     if not is_traceable_wrapper_subclass(t):
         return None
     attrs, ctx = t.__tensor_flatten__()
-    inner = tuple(layout_of(getattr(t, a)) for a in attrs)
-    n = sum(1 if k is None else k.num_plain for k in inner)
+    inner = tuple(_inner_layout(getattr(t, a)) for a in attrs)
+    n = sum(_num_plain(k) for k in inner)
     return SubclassLayout(type(t), ctx, _ctx_key(ctx), tuple(attrs), inner, tuple(t.shape), tuple(t.stride()), n)
 
 
 def flatten(t: torch.Tensor, layout: SubclassLayout, out: list) -> None:
     """Append `t`'s plain inner tensors, depth first in attribute order, to `out`."""
     for a, k in zip(layout.attrs, layout.inner):
-        x = getattr(t, a)
         if k is None:
-            out.append(x)
-        else:
-            flatten(x, k, out)
+            out.append(getattr(t, a))
+        elif not isinstance(k, Opaque):
+            flatten(getattr(t, a), k, out)
 
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -121,6 +139,8 @@ def rebuild(layout: SubclassLayout, plains: Sequence[torch.Tensor], pos: int = 0
         if k is None:
             inner[a] = plains[pos]
             pos += 1
+        elif isinstance(k, Opaque):
+            inner[a] = k.value
         else:
             inner[a] = rebuild(k, plains, pos)
             pos += k.num_plain
@@ -133,7 +153,7 @@ def same_structure(a: SubclassLayout | None, b: SubclassLayout | None) -> bool:
         return a is b
     return (
         a.cls is b.cls and a.ctx_key == b.ctx_key and a.attrs == b.attrs
-        and all(same_structure(x, y) for x, y in zip(a.inner, b.inner))
+        and all(x == y if isinstance(x, Opaque) else same_structure(x, y) for x, y in zip(a.inner, b.inner))
     )
 
 
@@ -157,6 +177,9 @@ def _layout_conds(x, layout: SubclassLayout, v: str, scope: dict, tensor_conds: 
         expr = f"{v}.{attr}"
         if inner is None:
             conds += tensor_conds(getattr(x, attr), expr, scope)
+        elif isinstance(inner, Opaque):
+            scope[f"_SO{len(scope)}"] = inner.value
+            conds.append(f"{expr} is _SO{len(scope) - 1}")
         else:
             conds += _layout_conds(getattr(x, attr), inner, expr, scope, tensor_conds)
     return conds

@@ -24,13 +24,16 @@ from typing import Any
 import torch
 
 from .runtime import _Source, _structure
-from .subclass_layout import SubclassLayout
+from .subclass_layout import Opaque, SubclassLayout
 
 
 def _attr_paths(layout: SubclassLayout, prefix: str) -> list[str]:
     out = []
     for attr, inner in zip(layout.attrs, layout.inner):
-        out += [f"{prefix}.{attr}"] if inner is None else _attr_paths(inner, f"{prefix}.{attr}")
+        if inner is None:
+            out.append(f"{prefix}.{attr}")
+        elif not isinstance(inner, Opaque):
+            out += _attr_paths(inner, f"{prefix}.{attr}")
     return out
 
 
@@ -38,7 +41,10 @@ def _rebuild_src(src: _Source, layout: SubclassLayout, values: list[str]) -> str
     """Source rebuilding a subclass of `layout` from the plain values (consumed from the front)."""
     parts = []
     for attr, inner in zip(layout.attrs, layout.inner):
-        parts.append(f"{attr!r}: {values.pop(0) if inner is None else _rebuild_src(src, inner, values)}")
+        if isinstance(inner, Opaque):
+            parts.append(f"{attr!r}: {src.bind('opaque', inner.value)}")
+        else:
+            parts.append(f"{attr!r}: {values.pop(0) if inner is None else _rebuild_src(src, inner, values)}")
     unflatten = src.bind("unflatten", layout.cls.__tensor_unflatten__)
     return (f"{unflatten}({{{', '.join(parts)}}}, {src.bind('ctx', layout.ctx)}, "
             f"{src.bind('size', layout.outer_size)}, {src.bind('stride', layout.outer_stride)})")

@@ -67,6 +67,11 @@ class _Site:
         """`_Wrap.backward`: the incoming subclass gradient as plain tensors."""
         got = layout_of(grad)
         if self.tracing:  # an argument's gradient, as the traced backward computes it
+            if got is not None and not same_structure(got, self.layout):
+                # in the argument's own metadata where the subclass can coerce it (a DTensor
+                # parameter's gradient in the parameter's placements: its local shards then have
+                # the shapes of the argument's inner tensors)
+                grad, got = self._coerce(grad, got, refuse=False)
             if got is None or got.num_plain != self.layout.num_plain:
                 raise UnsupportedInputError(
                     f"aotgrad: the gradient of {self.name} ({self.layout.describe()}) is "
@@ -75,15 +80,29 @@ class _Site:
                 )
             self.grad_layout = got
         elif not same_structure(got, self.layout) or tuple(grad.shape) != self.layout.outer_size:
-            raise UnsupportedOutputError(
-                f"aotgrad: {self.name} is a {self.layout.describe()}; its incoming gradient is "
-                f"{'a plain tensor' if got is None else got.describe()} {tuple(grad.shape)}, not what the "
-                "compiled backward was traced for (the output's own type and metadata). Pass a gradient "
-                "of the output's type (e.g. torch.ones_like(out)), or call the function eagerly."
-            )
+            grad, got = self._coerce(grad, got)
         out: list = []
         flatten(grad, got, out)
         return out
+
+    def _coerce(self, grad: torch.Tensor, got: SubclassLayout | None, refuse: bool = True) -> tuple:
+        """An incoming gradient of other metadata than the guess: coerced by the subclass itself where
+        it knows how (`__coerce_same_metadata_as_tangent__`: DTensor redistributes), else refused."""
+        coerce = getattr(grad, "__coerce_same_metadata_as_tangent__", None)
+        if got is not None and got.cls is self.layout.cls and coerce is not None:
+            coerced = coerce(self.layout.ctx)
+            if coerced is not None and tuple(coerced.shape) == self.layout.outer_size:
+                new = layout_of(coerced)
+                if new.num_plain == self.layout.num_plain:
+                    return coerced, new
+        if not refuse:
+            return grad, got
+        raise UnsupportedOutputError(
+            f"aotgrad: {self.name} is a {self.layout.describe()}; its incoming gradient is "
+            f"{'a plain tensor' if got is None else got.describe()} {tuple(grad.shape)}, not what the "
+            "compiled backward was traced for (the output's own type and metadata). Pass a gradient "
+            "of the output's type (e.g. torch.ones_like(out)), or call the function eagerly."
+        )
 
     def rebuild_grad(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """`_Unwrap.backward`: the plain gradients as one subclass gradient."""
@@ -213,6 +232,7 @@ class Boundary:
         spread_sites = {i: _Site(g, f"input {i}", grad_layout=g) for i, g in spread.items()}
         pos = 0
         for i, x in enumerate(leaves):
+            _refuse_nested(x, f"input {i}")
             lay = layout_of(x) if isinstance(x, torch.Tensor) else None
             if isinstance(x, torch.Tensor):
                 first[i] = seen.setdefault(id(x), i)
@@ -299,6 +319,7 @@ class Boundary:
                 entries.setdefault(id(o), k)
         while pending:
             k, o = pending.pop(0)
+            _refuse_nested(o, f"output {k}")
             if not (isinstance(o, torch.Tensor) and is_subclass(o)):
                 self.outputs[k] = PlainOut(len(plain))
                 plain.append(o)
@@ -385,6 +406,14 @@ class Boundary:
         fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
                "replay": _replay}
         return build_run(self, run_plain, mutated, fns)
+
+
+def _refuse_nested(x: Any, name: str) -> None:
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        raise UnsupportedInputError(
+            f"aotgrad: {name} is a jagged NestedTensor; its ragged size is symbolic, which aot_function's "
+            "flattening of subclasses does not support yet. Pass its values() and offsets() instead."
+        )
 
 
 def _fast_apply(fn: type) -> Callable:
