@@ -532,3 +532,15 @@ def test_core_mutation_and_alias_tests_with_two_tensor_inputs(name, monkeypatch)
     params = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize"]
     for args in ([[v] for v in params[0].args[1]] if params else [[]]):
         test(*args)
+
+
+def test_on_disk_cache_leaves_subclass_graphs_out(monkeypatch, tmp_path):
+    from aotgrad import cache
+
+    monkeypatch.setenv("AOTGRAD_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    cache.cache_stats(reset=True)
+    _compile_and_check("aotgrad_eager")
+    stats = cache.cache_stats()
+    assert stats["uncacheable"] >= 1 and stats["stores"] == 0, stats
