@@ -336,6 +336,7 @@ class Boundary:
                 self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
             else:
                 site = _Site(layout_of(o), f"output {k}")
+                _refuse_symbolic(site.layout, k)
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
                 self.outputs[k] = SubclassOut(site, len(plain), differentiable)
                 if differentiable:
@@ -406,6 +407,16 @@ class Boundary:
         fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
                "replay": _replay}
         return build_run(self, run_plain, mutated, fns)
+
+
+def _refuse_symbolic(layout: SubclassLayout, k: int) -> None:
+    """The run time rebuilds a subclass output with the traced outer size and stride."""
+    sizes = [*layout.outer_size, *layout.outer_stride]
+    if any(isinstance(v, torch.SymInt) for v in sizes):
+        raise UnsupportedOutputError(
+            f"aotgrad: output {k} is a {layout.describe()} of symbolic size {tuple(layout.outer_size)}; "
+            "rebuilding subclass outputs of symbolic size is not supported yet. Mark the inputs static."
+        )
 
 
 def _refuse_nested(x: Any, name: str) -> None:
