@@ -480,6 +480,15 @@ def _chain(o: torch.Tensor, k: int) -> tuple[ViewChain, Any]:
     """The view ops that made subclass output `o` from its base, to replay on the rebuilt base, and
     the view's CreationMeta where it is not DEFAULT (in-place ops on it then fail as in eager)."""
     base = o._base
+    inner: list = []
+    flatten(o, layout_of(o), inner)
+    if not all(analysis.may_replay(t, base) for t in inner if isinstance(t, torch.Tensor)):
+        # the trace marked its inner views unsafe to replay (a base restrided in place): libtorch
+        # has crashed replaying such view functions
+        raise UnsupportedOutputError(
+            f"aotgrad: output {k} is a view of a {type(base).__name__} restrided in place after the view "
+            "was taken; aotgrad cannot replay it on the rebuilt subclass. Return a .clone() of it."
+        )
     recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
     if recorded is None or analysis.meta_of(recorded[1]) != analysis.meta_of(o):
         raise UnsupportedOutputError(
