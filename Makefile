@@ -46,7 +46,7 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 fuzz: install
-	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER)
+	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER) $(if $(SUBCLASS),--subclass)
 
 # The README's screenshot of an aotgrad.explain page: docs/explain.png, taken by headless Chromium.
 explain-demo: install

@@ -10,6 +10,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --seed 0 --show 258      # print one generated program
     python scripts/fuzz.py --n 500 --backend aotgrad_eager --reference aot_eager   # through torch.compile
     python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.fuzz_order2)
+    python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.fuzz_subclass)
 """
 
 from __future__ import annotations
@@ -46,8 +47,14 @@ def main(argv=None) -> int:
                          "failures it shares do not fail the run")
     ap.add_argument("--order", type=int, choices=(1, 2), default=1,
                     help="2: also differentiate each program's gradients (create_graph=True) and compare those")
+    ap.add_argument("--subclass", action="store_true",
+                    help="make every floating input a TwoTensor (the subclass stage, aotgrad.fuzz_subclass)")
     args = ap.parse_args(argv)
     check_program = fuzz.check_program
+    if args.subclass:
+        from aotgrad import fuzz_subclass
+
+        check_program = fuzz_subclass.check_program
     if args.order == 2:
         from aotgrad import fuzz_order2
 

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from . import config as config_module
-from . import dynamic_shapes, guards, lifting, observe
+from . import dynamic_shapes, guards, lifting, observe, subclass_wrap
 from . import inputs as inputs_stage
 from .capture import capture
 from .capture_state import NeedsSyntheticBase, NeedsTraining
@@ -34,6 +34,7 @@ from .module_state import ModuleState
 from .partition import default_partition
 from .plan import symbols_in
 from .runtime import build_runner
+from .subclass_layout import NeedsSubclassBoundary
 
 log = logging.getLogger("aotgrad.api")
 
@@ -61,6 +62,15 @@ def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config:
 
 
 def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
+    if subclass_wrap.any_subclass(leaves):  # flattened at the boundary, plain inside (subclass_wrap.py)
+        return subclass_wrap.compile_signature(fn, leaves, spec, config, _compile_signature)
+    try:
+        return _compile_plain_signature(fn, leaves, spec, config)
+    except NeedsSubclassBoundary:  # the program returns a subclass it built
+        return subclass_wrap.compile_signature(fn, leaves, spec, config, _compile_plain_signature)
+
+
+def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
     inputs_stage.check_supported(leaves)
     training = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in leaves

@@ -32,7 +32,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from . import ambient, analysis
+from . import ambient, analysis, subclass_layout
 from .capture_backward import _trace_backward
 from .capture_inputs import (
     _analyse_inputs,
@@ -237,6 +237,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     with mode, hooks:
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
+    subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage
     if hooks.requires_grad_called:
         _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
     if not training and any(isinstance(o, torch.Tensor) and o.requires_grad for o in flat_out):

@@ -111,7 +111,8 @@ def _quiet():
 
 
 def check_program(
-    prog: Program, *, eager_checked: bool = False, explain_mismatch: bool = True, backend: str | None = None
+    prog: Program, *, eager_checked: bool = False, explain_mismatch: bool = True, backend: str | None = None,
+    wrap_inputs: Callable | None = None,
 ) -> Outcome:
     """Run `prog` eagerly and compiled (twice: the second call takes the cached path); classify.
 
@@ -125,6 +126,8 @@ def check_program(
     with _quiet():
         try:
             f, make_inputs = materialize(prog)
+            if wrap_inputs is not None:  # e.g. TwoTensor inputs (fuzz_subclass.py)
+                make_inputs = wrap_inputs(make_inputs)
         except Exception as e:
             return Outcome("skipped", "source", repr(e))
         if not eager_checked and not _eager_ok(f, make_inputs):

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import guards
+from . import guards, subclass_layout
 from .ambient import any_autocast, autocast_key
 from .errors import UnsupportedAliasingError, UnsupportedInputError
 from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
@@ -48,10 +49,13 @@ def _constant_key(v: Any) -> Any:
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    return (
+    key = (
         type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.layout,
         t.requires_grad, t.is_leaf,
     )
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # type, nesting, context, inner keys
+        return key + subclass_layout.signature_part(t, tensor_key)
+    return key
 
 
 def alias_key(leaves: Sequence[Any]) -> tuple:
@@ -97,6 +101,8 @@ def signature(leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
     for x in leaves:
         parts.append(tensor_key(x) if isinstance(x, torch.Tensor) else _constant_key(x))
     parts.append(alias_key(leaves))
+    if any(isinstance(x, torch.Tensor) and is_wrapper(x) for x in leaves):  # inner tensors sharing memory
+        parts.append(alias_key(subclass_layout.with_inner_tensors(leaves)))
     return tuple(parts)
 
 
@@ -244,6 +250,8 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
             first[id(x)] = i
             scope[f"_S{i}"], scope[f"_ST{i}"] = x.shape, x.stride()
             scope[f"_D{i}"], scope[f"_DEV{i}"] = x.dtype, x.device
+            if type(x) is not torch.Tensor and is_traceable_wrapper_subclass(x):
+                conds += subclass_layout.guard_conditions(x, v, scope, _inner_tensor_conds)
             conds += [
                 f"type({v}) is _T{i}", f"{v}.requires_grad is {x.requires_grad}", f"{v}.shape == _S{i}",
                 f"{v}.stride() == _ST{i}", f"{v}.storage_offset() == {x.storage_offset()}",
@@ -259,11 +267,41 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
     if check_aliasing:
         scope["_AK"] = alias_key(leaves)
         conds.append("_alias_key(args) == _AK")
+    if "_inner_tensors" in scope:  # subclass arguments: their inner tensors' identities (merged primals)
+        conds += _inner_identity_conds(leaves, scope.pop("_inner_tensors"))
+        if check_aliasing:
+            scope["_inner"], scope["_IAK"] = subclass_layout.with_inner_tensors, alias_key(
+                subclass_layout.with_inner_tensors(leaves))
+            conds.append("_alias_key(_inner(args)) == _IAK")
     src = "def guard(args):\n    return (\n        " + "\n        and ".join(conds) + "\n    )\n"
     exec(compile(src, "<aotgrad guard>", "exec"), scope)
     guard = scope["guard"]
     guard.__aotgrad_source__ = src
     return guard
+
+
+def _inner_identity_conds(leaves: Sequence[Any], inner: list[tuple[torch.Tensor, str]]) -> list[str]:
+    """`is` checks for inner tensors that were one object (with each other or an argument) when compiled."""
+    first: dict[int, str] = {id(x): f"args[{i}]" for i, x in reversed(list(enumerate(leaves)))
+                             if isinstance(x, torch.Tensor)}
+    conds = []
+    for t, v in inner:
+        if first.setdefault(id(t), v) != v:
+            conds.append(f"{v} is {first[id(t)]}")
+    return conds
+
+
+def _inner_tensor_conds(t: torch.Tensor, v: str, scope: dict) -> list[str]:
+    """A plain inner tensor of a subclass argument, checked as a plain argument is."""
+    scope.setdefault("_inner_tensors", []).append((t, v))
+    n = len(scope)
+    scope[f"_IT{n}"], scope[f"_IS{n}"], scope[f"_IST{n}"] = type(t), t.shape, t.stride()
+    scope[f"_ID{n}"], scope[f"_IDEV{n}"] = t.dtype, t.device
+    return [
+        f"type({v}) is _IT{n}", f"{v}.requires_grad is {t.requires_grad}", f"{v}.is_leaf is {t.is_leaf}",
+        f"{v}.shape == _IS{n}", f"{v}.stride() == _IST{n}", f"{v}.storage_offset() == {t.storage_offset()}",
+        f"{v}.dtype is _ID{n}", f"{v}.device == _IDEV{n}",
+    ]
 
 
 def symbol_sources(leaves: Sequence[Any], symbols: set) -> tuple[SymbolSource, ...]:

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
 
+from . import subclass_layout
 from .errors import AotgradError
 
 
@@ -40,6 +41,7 @@ def _is_real_grad_tensor(x: Any) -> bool:
         and not isinstance(x, (FakeTensor, FunctionalTensor))
         and x.requires_grad
         and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+        and not subclass_layout.is_traced(x)  # rebuilt by the subclass stage from traced inner tensors
     )
 
 

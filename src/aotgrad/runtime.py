@@ -30,7 +30,7 @@ from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.printers import PythonPrinter
 
-from . import ambient
+from . import ambient, subclass_layout
 from .compile import CompiledForward, placeholder_values
 from .errors import AotgradError
 from .inputs import storage_base, storage_id
@@ -182,11 +182,11 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
             bw.emit(f"t{j} = grads[{i}]")
             bw.globals[f"_dtype{j}"], bw.globals[f"_device{j}"] = traced[j].dtype, traced[j].device
         parts += [
-            f"_contig(t{j}) if t{j} is not None else _zeros(ctx.tangent_shapes[{j}], dtype=_dtype{j}, device=_device{j})"
+            f"_contig(t{j}, {i}) if t{j} is not None else _zeros(ctx.tangent_shapes[{j}], dtype=_dtype{j}, device=_device{j})"
             for j in range(len(diff))
         ]
     else:
-        parts += [f"_contig(grads[{i}])" for i in diff]
+        parts += [f"_contig(grads[{i}], {i})" for i in diff]
     bw.emit(f"args = [{', '.join(parts)}]")
     # Eager's backward is cast by the autocast state in force when it runs (ambient.py).
     bw.globals["_any_autocast"] = ambient.any_autocast
@@ -394,7 +394,9 @@ def _output_values(gm: torch.fx.GraphModule) -> list:
     return [getattr(v, "meta", {}).get("val") for v in gm.graph.output_node().args[0]]
 
 
-def _contiguous(g: torch.Tensor) -> torch.Tensor:
+def _contiguous(g: torch.Tensor, i: int = -1) -> torch.Tensor:
+    if type(g) is not torch.Tensor and g is not None:
+        subclass_layout.refuse_subclass_tangent(g, i)
     return g.contiguous() if g is not None else g
 
 

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .api import aot_function
 from .compilers import nop
+from .subclass_layout import is_subclass, layout_of
 
 
 def _is_view_of_any(t: torch.Tensor, pool: list) -> bool:
@@ -51,6 +52,13 @@ def _coarsest_float(tensors: list) -> torch.dtype | None:
 def _assert_close(a, b, what: str, coarsest: torch.dtype | None = None) -> None:
     """A float64 result computed from float32 inputs (a float32 tensor times a float64 scalar, the
     scalar's gradient) carries float32 rounding: compare it with the coarsest input dtype's tolerance."""
+    if isinstance(a, torch.Tensor) and (is_subclass(a) or is_subclass(b)):  # type, context, each inner tensor
+        la, lb = layout_of(a), layout_of(b)
+        if type(a) is not type(b) or la is None or lb is None or la.ctx_key != lb.ctx_key or la.attrs != lb.attrs:
+            raise AssertionError(f"{what}: eager {type(a).__name__} vs compiled {type(b).__name__} (or other context)")
+        for attr in la.attrs:
+            _assert_close(getattr(a, attr), getattr(b, attr), f"{what}.{attr}", coarsest)
+        return
     if isinstance(a, torch.Tensor):
         if not isinstance(b, torch.Tensor):
             raise AssertionError(f"{what}: eager gives a tensor, compiled gives {type(b)}")

@@ -1,0 +1,550 @@
+"""The subclass stage: flatten traceable wrapper subclasses at the boundary, plain tensors inside.
+
+A call with subclass arguments (subclass_layout.py) is compiled as a call of a *plain* function over
+the subclasses' inner tensors, through the ordinary pipeline unchanged:
+
+    fn_plain(*plain_leaves):                     # traced by capture.py like any function
+        x = _Wrap.apply(site, a, b)              # rebuild TwoTensor(a, b): __tensor_unflatten__
+        out = fn(x, ...)                         # the subclass's __torch_dispatch__ runs on the
+                                                 # functional inner tensors: plain aten graph
+        return _Unwrap.apply(site, out)          # __tensor_flatten__: plain outputs
+
+Two small autograd Functions keep the autograd boundary at the subclass level: `_Wrap` (plain ->
+subclass; its backward flattens the subclass gradient) and `_Unwrap` (subclass -> plain; its backward
+rebuilds the subclass gradient). The run time puts the same two around the compiled plain function:
+each subclass argument is unwrapped (its gradient is rebuilt as the subclass the trace saw arrive),
+each subclass output rewrapped (its incoming gradient is checked against the trace's guess, the
+output's own layout, and flattened). Why this design: mutations, aliasing, partitioning, the
+compilers and the generated run time all stay the plain pipeline's, and a compiler never sees a
+subclass. Outputs that are a subclass argument itself, or views of one, are returned as eager
+returns them (the argument, or its view replayed on the caller's subclass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import analysis
+from .errors import (
+    AotgradError,
+    InplaceOnLeafError,
+    UnsupportedInputError,
+    UnsupportedMutationError,
+    UnsupportedOutputError,
+)
+from .plan import FromLeaf, ViewChain
+from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
+from .subclass_runtime import build_run
+
+log = logging.getLogger("aotgrad.subclass")
+
+
+def any_subclass(leaves: Sequence[Any]) -> bool:
+    return any(type(x) is not torch.Tensor and is_subclass(x) for x in leaves if isinstance(x, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------
+# The two autograd boundaries
+
+
+@dataclass(eq=False)
+class _Site:
+    """One subclass crossing the boundary: an argument (index `leaf`) or an output (`output`)."""
+
+    layout: SubclassLayout
+    name: str
+    grad_layout: SubclassLayout | None = None  # argument: the gradient's layout the trace saw arrive
+    tracing: bool = True
+
+    def flatten_grad(self, grad: torch.Tensor) -> list[torch.Tensor]:
+        """`_Wrap.backward`: the incoming subclass gradient as plain tensors."""
+        got = layout_of(grad)
+        if self.tracing:  # an argument's gradient, as the traced backward computes it
+            if got is not None and not same_structure(got, self.layout):
+                # in the argument's own metadata where the subclass can coerce it (a DTensor
+                # parameter's gradient in the parameter's placements: its local shards then have
+                # the shapes of the argument's inner tensors)
+                grad, got = self._coerce(grad, got, refuse=False)
+            if got is None or got.num_plain != self.layout.num_plain:
+                raise UnsupportedInputError(
+                    f"aotgrad: the gradient of {self.name} ({self.layout.describe()}) is "
+                    f"{'a plain tensor' if got is None else got.describe()}, which cannot be split into the "
+                    "argument's inner tensors. Pass the inner tensors as separate inputs."
+                )
+            self.grad_layout = got
+        elif not same_structure(got, self.layout) or tuple(grad.shape) != self.layout.outer_size:
+            grad, got = self._coerce(grad, got)
+        out: list = []
+        flatten(grad, got, out)
+        return out
+
+    def _coerce(self, grad: torch.Tensor, got: SubclassLayout | None, refuse: bool = True) -> tuple:
+        """An incoming gradient of other metadata than the guess: coerced by the subclass itself where
+        it knows how (`__coerce_same_metadata_as_tangent__`: DTensor redistributes), else refused."""
+        coerce = getattr(grad, "__coerce_same_metadata_as_tangent__", None)
+        if got is not None and got.cls is self.layout.cls and coerce is not None:
+            coerced = coerce(self.layout.ctx)
+            if coerced is not None and tuple(coerced.shape) == self.layout.outer_size:
+                new = layout_of(coerced)
+                if new.num_plain == self.layout.num_plain:
+                    return coerced, new
+        if not refuse:
+            return grad, got
+        raise UnsupportedOutputError(
+            f"aotgrad: {self.name} is a {self.layout.describe()}; its incoming gradient is "
+            f"{'a plain tensor' if got is None else got.describe()} {tuple(grad.shape)}, not what the "
+            "compiled backward was traced for (the output's own type and metadata). Pass a gradient "
+            "of the output's type (e.g. torch.ones_like(out)), or call the function eagerly."
+        )
+
+    def rebuild_grad(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """`_Unwrap.backward`: the plain gradients as one subclass gradient."""
+        layout = self.layout if self.tracing else self.grad_layout
+        if layout is None:
+            return None
+        return rebuild(layout, grads)
+
+
+class _Wrap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, site: _Site, *plains):
+        ctx.site = site
+        return rebuild(site.layout, [p.detach() for p in plains])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *ctx.site.flatten_grad(grad))
+
+
+class _Unwrap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, site: _Site, t):
+        ctx.site = site
+        plains: list = []
+        flatten(t, site.layout, plains)
+        return tuple(p.detach() for p in plains)  # aliases: the caller's inner tensors keep their autograd state
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, ctx.site.rebuild_grad(grads)
+
+
+class _Gather(_Wrap):
+    """Trace side of a plain argument whose gradient is a subclass: the value is the first of its
+    plain stand-ins; the subclass gradient is flattened onto all of them."""
+
+    @staticmethod
+    def forward(ctx, site: _Site, *plains):
+        ctx.site = site
+        return plains[0].detach()
+
+
+class _Spread(_Unwrap):
+    """Run-time side of `_Gather`: the caller's plain argument passed once per plain gradient; their
+    gradients are rebuilt into the subclass gradient eager gives it."""
+
+    @staticmethod
+    def forward(ctx, site: _Site, t):
+        ctx.site = site
+        return tuple(t.detach() for _ in range(site.layout.num_plain))
+
+
+class NeedsGradSpread(AotgradError):
+    """Internal: plain argument `leaf` gets a subclass gradient; compile again with it spread."""
+
+    def __init__(self, leaf: int, layout: SubclassLayout):
+        super().__init__(f"aotgrad: input {leaf} gets a {layout.describe()} gradient")
+        self.leaf, self.layout = leaf, layout
+
+
+# ---------------------------------------------------------------------------------------------
+# What each user output is
+
+
+@dataclass(frozen=True)
+class PlainOut:
+    position: int
+
+
+@dataclass(frozen=True)
+class SubclassOut:
+    site: _Site
+    start: int
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class LeafOut:
+    leaf: int
+
+
+@dataclass(frozen=True)
+class ViewOfLeafOut:
+    leaf: int
+    chain: ViewChain
+    creation_meta: Any = None  # eager's CreationMeta of the view where it is not DEFAULT
+
+
+@dataclass(frozen=True)
+class ViewOut:
+    """A view of another output entry (a user output, or an intermediate base rebuilt for it)."""
+
+    base: int
+    chain: ViewChain
+    creation_meta: Any = None
+
+
+@dataclass(frozen=True)
+class SameAs:
+    entry: int
+
+
+# ---------------------------------------------------------------------------------------------
+# One signature's boundary
+
+
+@dataclass
+class Boundary:
+    """The subclass stage for one signature: how caller leaves map to plain leaves and back."""
+
+    spec: Any
+    layouts: list[SubclassLayout | None]  # per caller leaf
+    ranges: list[tuple[int, int]]  # per caller leaf: its plain leaves
+    sites: dict[int, _Site]  # per subclass caller leaf
+    first: dict[int, int]  # leaf -> the first leaf that is the same object
+    spread: dict[int, _Site]  # plain leaves whose gradient is a subclass (`_Spread`)
+    requires_grad: list[bool]  # per caller leaf
+    outputs: list = field(default_factory=list)
+    bumped: set = field(default_factory=set)  # subclass arguments whose version eager bumps
+    num_user: int = 0
+    out_spec: Any = None
+
+    @classmethod
+    def of(cls, leaves: Sequence[Any], spec, spread: dict[int, SubclassLayout]) -> Boundary:
+        layouts, ranges, sites, first, seen = [], [], {}, {}, {}
+        spread_sites = {i: _Site(g, f"input {i}", grad_layout=g) for i, g in spread.items()}
+        pos = 0
+        for i, x in enumerate(leaves):
+            _refuse_nested(x, f"input {i}")
+            lay = layout_of(x) if isinstance(x, torch.Tensor) else None
+            if isinstance(x, torch.Tensor):
+                first[i] = seen.setdefault(id(x), i)
+            n = 1 if lay is None else lay.num_plain
+            if i in spread_sites and first[i] == i:
+                n = spread_sites[i].layout.num_plain
+            layouts.append(lay)
+            ranges.append((pos, pos + n))
+            pos += n
+            if lay is not None:
+                sites[i] = _Site(lay, f"input {i}")
+        requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+        return cls(spec, layouts, ranges, sites, first, spread_sites, requires_grad)
+
+    def plain_leaves(self, leaves: Sequence[Any]) -> list:
+        """The plain arguments of the compiled plain function (the run-time prologue's twin)."""
+        out: list = []
+        grad = torch.is_grad_enabled()
+        for i, x in enumerate(leaves):
+            lay = self.layouts[i]
+            if i in self.spread:
+                out.extend(_Spread.apply(self.spread[i], x))
+            elif lay is None:
+                out.append(x)
+            elif self.first[i] != i:  # the same subclass again: the same plain tensors
+                out.extend(out[slice(*self.ranges[self.first[i]])])
+            elif grad and x.requires_grad:
+                out.extend(_Unwrap.apply(self.sites[i], x))
+            else:
+                flatten(x, lay, out)
+        return out
+
+    def num_plain(self, num_leaves: int) -> int:
+        return self.ranges[num_leaves - 1][1] if num_leaves else 0
+
+    # -- trace side ---------------------------------------------------------------------------
+
+    def plain_function(self, fn: Callable) -> Callable:
+        def fn_plain(*plain):
+            leaves, rebuilt = [], {}
+            for i, lay in enumerate(self.layouts):
+                start, stop = self.ranges[i]
+                if i in self.spread:
+                    leaves.append(_Gather.apply(self.spread[i], *plain[start:stop]))
+                    continue
+                if lay is None:
+                    leaves.append(plain[start])
+                    if isinstance(plain[start], torch.Tensor) and plain[start].requires_grad:
+                        plain[start].register_hook(_needs_spread(i))
+                    continue
+                if self.first[i] != i:
+                    leaves.append(leaves[self.first[i]])
+                    continue
+                inner = plain[start:stop]
+                if torch.is_grad_enabled() and any(p.requires_grad for p in inner):
+                    t = _Wrap.apply(self.sites[i], *inner)
+                else:
+                    t = rebuild(lay, inner)
+                rebuilt[id(t)] = i
+                leaves.append(t)
+            args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+            before = {i: _state(leaves[i]) for i in rebuilt.values()}
+            versions = {i: leaves[i]._version for i in rebuilt.values()}
+            out = fn(*args, **kwargs)
+            for i, state in before.items():
+                _check_state(i, self.layouts[i], state, _state(leaves[i]))
+            self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
+            flat, self.out_spec = pytree.tree_flatten(out)
+            return self._flatten_outputs(flat, rebuilt)
+
+        fn_plain.__qualname__ = getattr(fn, "__qualname__", "fn") + "[subclasses flattened]"
+        return fn_plain
+
+    def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
+        """The plain values the graph returns for the user's outputs; `self.outputs` says how each
+        user output is rebuilt (entries past `self.num_user` are bases of views, rebuilt first)."""
+        self.outputs, self.num_user = [], len(flat)
+        entries: dict[int, int] = {}  # id(subclass tensor) -> its entry, so a base is built once
+        plain: list = []
+        pending = list(enumerate(flat))
+        for k, o in enumerate(flat):
+            self.outputs.append(None)
+            if isinstance(o, torch.Tensor) and is_subclass(o):
+                entries.setdefault(id(o), k)
+        while pending:
+            k, o = pending.pop(0)
+            _refuse_nested(o, f"output {k}")
+            if not (isinstance(o, torch.Tensor) and is_subclass(o)):
+                self.outputs[k] = PlainOut(len(plain))
+                plain.append(o)
+            elif id(o) in rebuilt:
+                self.outputs[k] = LeafOut(rebuilt[id(o)])
+            elif entries[id(o)] != k:
+                self.outputs[k] = SameAs(entries[id(o)])
+            elif o._is_view() and is_subclass(o._base):
+                base = o._base
+                if id(base) not in entries:  # an intermediate: rebuilt too, then the view taken
+                    entries[id(base)] = len(self.outputs)
+                    self.outputs.append(None)
+                    pending.append((entries[id(base)], base))
+                self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
+            else:
+                site = _Site(layout_of(o), f"output {k}")
+                _refuse_symbolic(site.layout, k)
+                differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
+                self.outputs[k] = SubclassOut(site, len(plain), differentiable)
+                if differentiable:
+                    plain.extend(_Unwrap.apply(site, o))
+                else:
+                    flatten(o, site.layout, plain)
+        for k, o in enumerate(self.outputs):  # a view of an input: the caller's subclass is the base
+            if isinstance(o, ViewOut) and isinstance(self.outputs[o.base], LeafOut):
+                self.outputs[k] = ViewOfLeafOut(self.outputs[o.base].leaf, o.chain, o.creation_meta)
+        return tuple(plain)
+
+    # -- after the trace ----------------------------------------------------------------------
+
+    def check_mutations(self, plan) -> list[int]:
+        """Subclass arguments the program writes into (their version is bumped per call); refuse what
+        the flattened run time cannot give as eager does."""
+        leaf_of_plain = {}
+        for i, lay in enumerate(self.layouts):
+            if lay is not None:
+                for p in range(*self.ranges[i]):
+                    leaf_of_plain[p] = i
+        mutated = set()
+        leaves_requiring_grad = self.requires_grad
+        for src, m in zip(plan.layout.primal_sources, plan.mutations):
+            i = leaf_of_plain.get(src.leaf)
+            if i is None or not (m.any or m.in_backward):
+                continue
+            if m.visible_to_autograd and not leaves_requiring_grad[i]:
+                raise UnsupportedMutationError(
+                    f"aotgrad: the program writes a value that requires grad into subclass input {i} "
+                    f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass input "
+                    "autograd history. Return the value instead."
+                )
+            if not isinstance(src, FromLeaf) or m.metadata or m.storage or m.in_backward:
+                raise UnsupportedMutationError(
+                    f"aotgrad: the program changes the metadata or storage of subclass input {i} "
+                    f"({self.layouts[i].describe()}) in place (or writes it in the backward, or it shares "
+                    "memory with another input); aotgrad cannot express that on the subclass's inner "
+                    "tensors. Return the new value instead."
+                )
+            mutated.add(i)
+        return sorted(mutated | self.bumped)
+
+    def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for i in mutated:
+            x = leaves[i]
+            if x.requires_grad and x.is_leaf:
+                raise InplaceOnLeafError(
+                    f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
+                    "program modifies it in place; eager refuses that too. Mutate it under torch.no_grad()."
+                )
+            if x.requires_grad:
+                raise UnsupportedMutationError(
+                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad and the program "
+                    "modifies it in place; aotgrad does not rebase a subclass's autograd history. Clone it "
+                    "first, or mutate a tensor that does not require grad."
+                )
+
+    def runner(self, run_plain: Callable, mutated: list[int]) -> Callable:
+        """The run time around the compiled plain function."""
+        for site in (*self.sites.values(), *self.spread.values()):
+            site.tracing = False
+        for o in self.outputs:
+            if isinstance(o, SubclassOut):
+                o.site.tracing = False
+        fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
+               "replay": _replay}
+        return build_run(self, run_plain, mutated, fns)
+
+
+def _refuse_symbolic(layout: SubclassLayout, k: int) -> None:
+    """The run time rebuilds a subclass output with the traced outer size and stride."""
+    sizes = [*layout.outer_size, *layout.outer_stride]
+    if any(isinstance(v, torch.SymInt) for v in sizes):
+        raise UnsupportedOutputError(
+            f"aotgrad: output {k} is a {layout.describe()} of symbolic size {tuple(layout.outer_size)}; "
+            "rebuilding subclass outputs of symbolic size is not supported yet. Mark the inputs static."
+        )
+
+
+def _refuse_nested(x: Any, name: str) -> None:
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        raise UnsupportedInputError(
+            f"aotgrad: {name} is a jagged NestedTensor; its ragged size is symbolic, which aot_function's "
+            "flattening of subclasses does not support yet. Pass its values() and offsets() instead."
+        )
+
+
+def _fast_apply(fn: type) -> Callable:
+    """`fn.apply` without `Function.apply`'s per-argument Python work (default-argument binding,
+    functorch's dead-wrapper unwrapping) when no functorch transform is active, as is the case
+    for a plain call."""
+    direct = super(torch.autograd.Function, fn).apply
+    slow = fn.apply
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return slow(*args) if transforms_active() else direct(*args)
+
+    return apply
+
+
+def _needs_spread(i: int) -> Callable:
+    def check(grad):
+        if grad is not None and is_subclass(grad):
+            raise NeedsGradSpread(i, layout_of(grad))
+
+    return check
+
+
+def _state(t: torch.Tensor) -> tuple:
+    return _metadata(t), t.requires_grad, t.grad_fn
+
+
+def _check_state(i: int, layout: SubclassLayout, before: tuple, after: tuple) -> None:
+    """Refuse what the program did to subclass input `i` that the flattened run time cannot replay on
+    the caller's subclass: metadata changed in place, autograd state changed (a write of a value
+    requiring grad, detach_(), requires_grad_())."""
+    what = None
+    if after[0] != before[0]:
+        what = "changes the metadata of", "(t_(), transpose_(), as_strided_()...)"
+    elif after[1] != before[1] or (after[2] is not before[2] and not before[1]):
+        what = "changes the autograd state of", "(detach_(), requires_grad_(), a write of a value requiring grad)"
+    if what is not None:
+        raise UnsupportedMutationError(
+            f"aotgrad: the program {what[0]} subclass input {i} ({layout.describe()}) in place {what[1]}; aotgrad "
+            "cannot replay that on the caller's subclass. Return a new tensor instead."
+        )
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    """Sizes, strides and offsets of a subclass and of its plain inner tensors."""
+    plains: list = []
+    flatten(t, layout_of(t), plains)
+    return tuple((tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (t, *plains))
+
+
+def _chain(o: torch.Tensor, k: int) -> tuple[ViewChain, Any]:
+    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base, and
+    the view's CreationMeta where it is not DEFAULT (in-place ops on it then fail as in eager)."""
+    base = o._base
+    inner: list = []
+    flatten(o, layout_of(o), inner)
+    if not all(analysis.may_replay(t, base) for t in inner if isinstance(t, torch.Tensor)):
+        # the trace marked its inner views unsafe to replay (a base restrided in place): libtorch
+        # has crashed replaying such view functions
+        raise UnsupportedOutputError(
+            f"aotgrad: output {k} is a view of a {type(base).__name__} restrided in place after the view "
+            "was taken; aotgrad cannot replay it on the rebuilt subclass. Return a .clone() of it."
+        )
+    recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
+    if recorded is None or analysis.meta_of(recorded[1]) != analysis.meta_of(o):
+        raise UnsupportedOutputError(
+            f"aotgrad: output {k} is a view of a {type(base).__name__} whose view ops cannot be replayed "
+            "on the rebuilt subclass (or whose metadata was changed in place). Return a .clone() of it."
+        )
+    steps = recorded[0]
+    meta = torch._C._autograd._get_creation_meta(o)
+    meta = None if meta == torch._C._autograd.CreationMeta.DEFAULT else meta
+    no_grad_steps = 0
+    if base.requires_grad and o.grad_fn is None:  # taken under no_grad: replayed under it
+        no_grad_steps = len(steps)
+    elif base.requires_grad:  # the first steps taken under no_grad, the last ones with grad
+        names, reached = analysis._autograd_path(o, base)
+        if not reached:
+            if len(names) > len(steps):
+                raise UnsupportedOutputError(
+                    f"aotgrad: output {k} is a view of a {type(base).__name__} taken partly under no_grad, "
+                    "in steps aotgrad cannot tell apart. Return a .clone() of it."
+                )
+            no_grad_steps = len(steps) - len(names)
+    return ViewChain(steps=steps, no_grad_steps=no_grad_steps), meta
+
+
+def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
+    value = base
+    for k, step in enumerate(chain.steps):
+        with torch.no_grad() if k < chain.no_grad_steps else contextlib.nullcontext():
+            value = step.op(value, *step.args, **dict(step.kwargs))
+            if step.item is not None:
+                value = value[step.item]
+    return value
+
+
+def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: Callable) -> Callable:
+    """Compile a call with subclass arguments: the plain pipeline over their inner tensors, with the
+    boundary's prologue/epilogue around its run time."""
+    spread: dict[int, SubclassLayout] = {}
+    while True:
+        boundary = Boundary.of(leaves, spec, spread)
+        plain_leaves = boundary.plain_leaves(leaves)
+        plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
+        plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
+        try:
+            run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
+            break
+        except NeedsGradSpread as e:  # a plain argument whose gradient is a subclass
+            if e.leaf in spread:
+                raise
+            spread[e.leaf] = e.layout
+    mutated = boundary.check_mutations(run_plain.plan)
+    boundary.refuse_grad_mutations(leaves, mutated)
+    log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
+              {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
+    run = boundary.runner(run_plain, mutated)
+    run.plan = run_plain.plan
+    run.compiled = run_plain.compiled
+    run.boundary = boundary
+    return run
