@@ -8,8 +8,7 @@ step), so both see the same machine. Reported per strategy: median step time (st
 first 3; a step ends with the ranks' loss all-reduce) and the ratio aotgrad/inductor (target
 <= 1.0x), compile time (first step minus the median), and activation memory per rank: bytes saved
 for the backward in one forward on rank 0 (distinct storages, parameters and the batch left out);
-on CUDA also the peak allocated during that forward. FSDP2 + aotgrad's AdamW step runs eagerly until
-tensor-subclass inputs land (issue 27); that is part of its step time.
+on CUDA also the peak allocated during that forward.
 """
 
 from __future__ import annotations

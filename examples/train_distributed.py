@@ -10,9 +10,8 @@ seed, weights; each rank its own batches) three ways:
 - FSDP2: activation checkpointing per block (`checkpoint_wrapper`), `fully_shard` per block and on
   the root, each block compiled with `block.compile(backend=...)`;
 
-and in the compiled variants AdamW's `step()` compiled too. FSDP2's parameters are DTensors; aotgrad
-refuses tensor-subclass graph inputs until issue 27 lands, so the FSDP2 + aotgrad optimizer step runs
-eagerly (`aotgrad.config.fallback_to_eager`, said so in the output). Rank 0 prints a progress bar and,
+and in the compiled variants AdamW's `step()` compiled too (FSDP2's parameters are DTensors, which
+aotgrad flattens into their local tensors: subclass_wrap.py). Rank 0 prints a progress bar and,
 per strategy, `make demo`'s table (trainer.report): compile time, median step time, saved activations
 (rank 0), losses (mean over the ranks) vs eager. `--bench` (benchmarks/distributed_bench.py) runs
 aotgrad and inductor taking turns step by step in each rank and writes JSON.
@@ -26,7 +25,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Each rank compiling with its own pool of Inductor compile workers oversubscribes a small machine.
@@ -94,22 +92,7 @@ def build(strategy: str, variant: str, args, device):
     step = opt.step
     if backend and args.compile_optimizer:
         step = torch.compile(opt.step, backend=backend)
-        if strategy == "fsdp2" and backend == "aotgrad":
-            step = _falling_back(step)
-            note = ("FSDP2 + aotgrad: AdamW's step over DTensor parameters runs eagerly (aotgrad refuses "
-                    "tensor-subclass graph inputs until issue 27; aotgrad.config.fallback_to_eager)")
     return loss_fn, model, opt, step, note
-
-
-def _falling_back(step):
-    import aotgrad
-
-    def run():
-        with aotgrad.config.patch(fallback_to_eager=True), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return step()
-
-    return run
 
 
 def mean_over_ranks(v: float, device) -> float:
