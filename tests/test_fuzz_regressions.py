@@ -1471,3 +1471,19 @@ def test_view_of_a_detached_input_taken_before_it_is_marked_requires_grad_is_ref
 
     with pytest.raises(UnsupportedOutputError, match="output 0 is a leaf tensor created inside the program"):
         aot_function(f, nop)(torch.randn((), requires_grad=True))
+
+
+def test_input_written_with_a_value_of_a_new_leaf_is_refused():
+    """Seed 1 program 9225: `v = a + a; v.requires_grad_(); a.add_(v)` on an input that does not
+    require grad: in eager the input comes to require grad (its history is the write), aotgrad's
+    stayed without. Refused by name."""
+
+    def f(a0):
+        v0 = a0 + a0
+        v0.requires_grad_()
+        v1 = a0.detach()
+        a0.add_(v0)
+        return (v1,)
+
+    with pytest.raises(UnsupportedMutationError, match="writes into input 0 a value that requires grad only"):
+        aot_function(f, nop)(torch.randn(2, 2))

@@ -293,6 +293,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     with mode:
         inputs = [t for t in (*funs, *bases, *user_leaves) if isinstance(t, torch.Tensor)]
         _refuse_outputs_of_new_leaves(flat_out, inputs, [g for g, _ in before])
+        _refuse_writes_of_new_leaves(bases, inputs, [g for g, _ in before])
     return list(fw.fw_values) + list(grads)
 
 
@@ -321,6 +322,22 @@ def _refuse_outputs_of_new_leaves(flat_out, inputs: list, input_grad_fns: list) 
                 f"aotgrad: output {pos} requires grad only through a tensor the program marked with "
                 "requires_grad_() (a new autograd leaf); the compiled backward differentiates with respect "
                 "to the inputs. Create that tensor outside and pass it in as an input that requires grad."
+            )
+
+
+def _refuse_writes_of_new_leaves(bases, inputs: list, input_grad_fns: list) -> None:
+    """An input written in place with a value that requires grad only through a tensor the program
+    marked with requires_grad_() comes to require grad in eager (its history is that write); the
+    compiled write carries no history. Refused (fuzz seed 1 program 9225)."""
+    roots = {g for g in input_grad_fns if g is not None}
+    known = {id(t) for t in inputs}
+    for b, before in zip(bases, input_grad_fns):
+        if b.requires_grad and b.grad_fn is not None and b.grad_fn is not before and _only_new_leaves(b, roots, known):
+            raise UnsupportedMutationError(
+                f"aotgrad: the program writes into {b._aotgrad_name} a value that requires grad only through a "
+                "tensor it marked with requires_grad_() (a new autograd leaf), so in eager that input comes to "
+                "require grad; the compiled write carries no autograd history. Create that tensor outside and "
+                "pass it in as an input that requires grad."
             )
 
 
