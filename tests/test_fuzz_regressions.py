@@ -1487,3 +1487,32 @@ def test_input_written_with_a_value_of_a_new_leaf_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="writes into input 0 a value that requires grad only"):
         aot_function(f, nop)(torch.randn(2, 2))
+
+
+def test_clone_of_a_view_taken_before_its_base_was_marked_requires_grad_is_refused():
+    """Seed 1 program 15882 (found on a 16-process run of the strict 20,000): `v2 = v0.unbind(0)[2]`
+    then `v0.requires_grad_()`: v2 requires grad with no grad_fn, and `v2.clone()` requires grad
+    with an edge to nothing. Eager returns it requiring grad; aotgrad's came back detached."""
+    from aotgrad.errors import UnsupportedOutputError
+
+    def f(a0, a1):
+        v0 = a1 * a0
+        v2 = v0.unbind(0)[2]
+        v0.requires_grad_()
+        return (v2.clone().reshape(()),)
+
+    with pytest.raises(UnsupportedOutputError, match="marked with requires_grad_"):
+        aot_function(f, nop)(torch.randn(3, 1), torch.tensor(True))
+
+
+def test_detach_then_requires_grad_on_an_input_is_refused():
+    """Seed 1 program 17216: `a.detach_(); a.requires_grad_()` on an input that requires grad
+    leaves it, in eager, a new autograd leaf in the same object; aotgrad's came back detached."""
+
+    def f(a0, a1):
+        a1.detach_()
+        a1.requires_grad_()
+        return (a0,)
+
+    with pytest.raises(UnsupportedMutationError, match="detach_\\(\\) and then requires_grad_\\(\\) on input 1"):
+        aot_function(f, nop)(torch.randn(1, 2), torch.randn(4, 3, requires_grad=True))

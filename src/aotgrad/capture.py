@@ -342,8 +342,9 @@ def _refuse_writes_of_new_leaves(bases, inputs: list, input_grad_fns: list) -> N
 
 
 def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int]) -> bool:
-    """Whether `o`'s autograd graph reaches a leaf the program made and no input."""
-    seen, todo, new_leaf = set(), [o.grad_fn], False
+    """Whether `o`'s autograd graph reaches a leaf the program made and no input, or reaches no
+    leaf at all (a view of a new leaf taken before it was marked: its edges lead nowhere)."""
+    seen, todo, new_leaf, input_view = set(), [o.grad_fn], False, False
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -354,11 +355,14 @@ def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int]) -> bool:
             return False
         # A view taken under no_grad of a tensor that requires grad is an autograd leaf of the
         # input's too: the run time keeps such outputs requiring grad. A view of a tensor that does
-        # not require grad, marked with requires_grad_(), is a new leaf like any other (fuzz seed 1
-        # program 2465).
-        new_leaf |= leaf is not None and (not leaf._is_view() or not leaf._base.requires_grad)
+        # not require grad, marked with requires_grad_(), is a new leaf like any other, and so is a
+        # view of a new leaf taken before it was marked (fuzz seed 1 programs 2465, 15882).
+        made = leaf is not None and (not leaf._is_view() or not leaf._base.requires_grad
+                                     or (leaf._base.is_leaf and id(leaf._base) not in known))
+        new_leaf |= made
+        input_view |= leaf is not None and not made
         todo.extend(n for n, _ in node.next_functions)
-    return new_leaf
+    return new_leaf or not input_view
 
 
 def _seed_effect_token(mode: FunctionalTensorMode):

@@ -192,6 +192,12 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
                     )
                 idx = _add_fw_value(fw, b, MutatedInputValue(k), differentiable)
                 copies.append(CopyInto(k, idx, grad=differentiable or (m.visible_to_autograd and grad_on)))
+        if p.requires_grad and getattr(b, "_aotgrad_detached", False) and b.requires_grad and b.grad_fn is None:
+            raise UnsupportedMutationError(  # fuzz seed 1 program 17216
+                f"aotgrad: the program calls detach_() and then requires_grad_() on {name}: in eager it is then "
+                "a new autograd leaf in the same tensor object, which aotgrad does not rebuild. Do that outside "
+                "the compiled function."
+            )
         if p.requires_grad and (not b.requires_grad or getattr(b, "_aotgrad_detached", False)):
             detaches.append(Detach(k))  # the program called detach_() on it (maybe re-attached by a copy_)
         fw.mutations.append(m)
