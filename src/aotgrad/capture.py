@@ -292,7 +292,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     state["in_graph_mutated"] |= hooks.clone_coordinates  # as_strided offsets are relative to the clone
     with mode:
         inputs = [t for t in (*funs, *bases, *user_leaves) if isinstance(t, torch.Tensor)]
-        _refuse_outputs_of_new_leaves(flat_out, inputs, [g for g, _ in before])
+        _refuse_outputs_of_new_leaves(flat_out, inputs, [g for g, _ in before],
+                                      any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals))
         _refuse_writes_of_new_leaves(bases, inputs, [g for g, _ in before])
     return list(fw.fw_values) + list(grads)
 
@@ -310,14 +311,14 @@ def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves) -> None:
             )
 
 
-def _refuse_outputs_of_new_leaves(flat_out, inputs: list, input_grad_fns: list) -> None:
+def _refuse_outputs_of_new_leaves(flat_out, inputs: list, input_grad_fns: list, any_grad: bool) -> None:
     """An output that requires grad only through a tensor the program itself made an autograd leaf
     (`t.requires_grad_()`) would come back detached: the compiled backward differentiates with
     respect to the inputs alone. Refuse it."""
     roots = {g for g in input_grad_fns if g is not None} | {t.grad_fn for t in inputs if t.grad_fn is not None}
     known = {id(t) for t in inputs}
     for pos, o in enumerate(flat_out):
-        if isinstance(o, torch.Tensor) and o.grad_fn is not None and _only_new_leaves(o, roots, known):
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None and _only_new_leaves(o, roots, known, any_grad):
             raise UnsupportedOutputError(
                 f"aotgrad: output {pos} requires grad only through a tensor the program marked with "
                 "requires_grad_() (a new autograd leaf); the compiled backward differentiates with respect "
@@ -341,9 +342,11 @@ def _refuse_writes_of_new_leaves(bases, inputs: list, input_grad_fns: list) -> N
             )
 
 
-def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int]) -> bool:
-    """Whether `o`'s autograd graph reaches a leaf the program made and no input, or reaches no
-    leaf at all (a view of a new leaf taken before it was marked: its edges lead nowhere)."""
+def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int], any_grad: bool = True) -> bool:
+    """Whether `o`'s autograd graph reaches a leaf the program made and no input, or, when no
+    input requires grad (`roots` and `known` hold none that does), reaches no leaf at all (a view
+    of a new leaf taken before it was marked: its edges lead nowhere). With an input that requires
+    grad such an output is kept requiring grad by the run time (a no_grad view of that input)."""
     seen, todo, new_leaf, input_view = set(), [o.grad_fn], False, False
     while todo:
         node = todo.pop()
@@ -362,7 +365,7 @@ def _only_new_leaves(o: torch.Tensor, roots: set, known: set[int]) -> bool:
         new_leaf |= made
         input_view |= leaf is not None and not made
         todo.extend(n for n, _ in node.next_functions)
-    return new_leaf or not input_view
+    return new_leaf or (not input_view and not any_grad)
 
 
 def _seed_effect_token(mode: FunctionalTensorMode):
