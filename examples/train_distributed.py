@@ -32,7 +32,6 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import trainer  # noqa: E402
 from train_gpt2 import gpt2_logits, make_gpt2  # noqa: E402
 
@@ -102,23 +101,8 @@ def mean_over_ranks(v: float, device) -> float:
 
 
 def saved_bytes(loss_fn, x, y) -> int:
-    """Distinct storages saved for the backward in one forward, parameters (sharded or not) and the
-    batch left out."""
-    skip = {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device.type != "meta":
-            t = t.to_local() if hasattr(t, "to_local") else t
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in skip:
-                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(x, y)
-    del loss
-    return sum(seen.values())
+    """Distinct storages saved for the backward in one forward, parameters and the batch left out."""
+    return trainer.count_saved_bytes(loss_fn, x, y, [x, y])
 
 
 class Run:

@@ -149,12 +149,14 @@ def _backend_for(name: str):
 
 
 def count_saved_bytes(loss_fn: Callable, x, y, exclude: list[torch.Tensor]) -> int:
-    """Bytes of distinct storages saved for the backward during one forward (params/inputs excluded)."""
+    """Bytes of distinct storages saved for the backward during one forward (parameters, sharded
+    or not, and `exclude` left out; a DTensor counts its local shard)."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
 
     def pack(t):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device.type != "meta":
+            t = t.to_local() if hasattr(t, "to_local") else t
             ptr = t.untyped_storage().data_ptr()
             if ptr not in skip:
                 seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
