@@ -34,3 +34,20 @@ class BackwardTransposesSaved(torch.autograd.Function):
         (b,) = ctx.saved_tensors
         b.transpose_(1, 0)
         return ga.clone(), gb.clone()
+
+
+class GraphRecorder:
+    """A nop compiler that keeps the graphs it was given."""
+
+    def __init__(self):
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, _example):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self, graph: int | None = None, among=None) -> list:
+        """The call_function targets of graph `graph` (all graphs when None), only those in `among`."""
+        graphs = self.graphs if graph is None else [self.graphs[graph]]
+        return [n.target for g in graphs for n in g.graph.nodes
+                if n.op == "call_function" and (among is None or n.target in among)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_param  # noqa: F401  (registers torch.ops.fsdp.copy_)
 import torch.nn as nn
+from helpers import GraphRecorder
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -129,20 +130,6 @@ def _fsdp_set_op():
     return torch.ops.fsdp.set_
 
 
-class Recorder:
-    """A nop compiler that keeps the graphs it was given."""
-
-    def __init__(self):
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm, _example):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def targets(self) -> list:
-        return [n.target for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
-
-
 class PassThrough(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -180,7 +167,7 @@ def test_add_one_out_into_view_of_buffer_then_fsdp_set():
 
     ref_x = torch.zeros(2)
     f(ref_x)
-    rec = Recorder()
+    rec = GraphRecorder()
     x = torch.zeros(2)
     aot_function(f, rec)(x)
     torch.testing.assert_close(x, ref_x)
@@ -390,7 +377,7 @@ def test_reinplacing_keeps_the_clone_when_the_old_value_is_needed():
         list_add(x.detach(), [y])
         return x * h
 
-    rec = Recorder()
+    rec = GraphRecorder()
     compiled = aot_function(f, rec, partition_fn=aotgrad.min_cut_rematerialization_partition)
     check_against_eager(f, inputs(("grad", 3), 3), compiled=compiled)
     fw = rec.graphs[0].graph
@@ -401,7 +388,7 @@ def test_reinplacing_keeps_the_clone_when_the_old_value_is_needed():
         list_add(x, [y])  # y requires grad: the compiled graph never writes into it
         return y * 2
 
-    rec = Recorder()
+    rec = GraphRecorder()
     check_against_eager(g, inputs(3, ("nonleaf", 3)), compiled=aot_function(g, rec))
     assert any(n.target is torch.ops.aten.clone.default for n in rec.graphs[0].graph.nodes)
 
@@ -446,7 +433,7 @@ def test_resize_and_fsdp_copy_stay_in_graph_in_order():
     ref.sum().backward()
     resize, copy_ = torch.ops.inductor.resize_storage_bytes_.default, torch.ops.fsdp.copy_.default
     for part in (aotgrad.default_partition, aotgrad.min_cut_rematerialization_partition):
-        rec = Recorder()
+        rec = GraphRecorder()
         compiled = aot_function(fsdp_step, rec, partition_fn=part)
         p2, data2, inp2 = fsdp_inputs()
         out = compiled(p2, data2, inp2)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (fsdp.all_gather_copy_in)
 import torch.distributed.fsdp._fully_shard._fsdp_param  # noqa: F401  (fsdp.copy_)
+from helpers import GraphRecorder
 
 import aotgrad
 from aotgrad import aot_function
@@ -21,18 +22,9 @@ SET = torch.ops.aotgrad.set_.default
 COPY = torch.ops.fsdp.copy_.default
 
 
-class Recorder:
-    """A nop compiler keeping the graphs it was given."""
-
-    def __init__(self):
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm, _example):
-        self.graphs.append(gm)
-        return gm.forward
-
+class Recorder(GraphRecorder):
     def ops(self, i: int, among=(RESIZE, SET, COPY)) -> list:
-        return [n.target for n in self.graphs[i].graph.nodes if n.op == "call_function" and n.target in among]
+        return self.targets(i, among)
 
 
 def unshard_use_reshard(p, data, x):
