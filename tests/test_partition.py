@@ -594,6 +594,37 @@ def test_selective_checkpoint_tags_are_honoured():
     assert g.info.recomputed_matmuls == 1
 
 
+def _checkpointed_attention(dropout_p):
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def inner(x, w):
+        q, k, v = (x @ w).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+    def f(x, w):
+        ctx = functools.partial(create_selective_checkpoint_contexts, recompute_all)
+        return checkpoint(inner, x, w, use_reentrant=False, context_fn=ctx).sum()
+
+    return f
+
+
+def test_checkpointed_attention_without_dropout_is_recomputed_like_eager():
+    """Attention kernels are tagged nondeterministic_seeded for their dropout; with dropout_p=0
+    they are deterministic, so a checkpointed region recomputes them and saves only its inputs,
+    as eager does (it used to save the attention output and its logsumexp)."""
+    shapes = (2, 2, 8, 12), (12, 12)
+    f = _checkpointed_attention(0.0)
+    check_against_eager(f, leaf_inputs(*shapes),
+                        compiled=aot_function(f, nop, partition_fn=min_cut_rematerialization_partition))
+    g = compile_and_run(f, min_cut_rematerialization_partition, *leaf_inputs(*shapes)()[0])
+    assert "flash_attention" in g.fw.code  # the fused kernel, tagged nondeterministic_seeded
+    assert [n.op for n in g.saved_nodes(1)] == ["placeholder", "placeholder"]
+    # with dropout the kernel draws random numbers: never recomputed, its outputs are saved
+    g = compile_and_run(_checkpointed_attention(0.5), min_cut_rematerialization_partition, *leaf_inputs(*shapes)()[0])
+    assert any(n.op == "call_function" for n in g.saved_nodes(1))
+
+
 # --- 4. what is saved: never twice, never a view ------------------------------------------------
 
 

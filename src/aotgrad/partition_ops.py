@@ -149,6 +149,29 @@ def _target_class(target: torch._ops.OpOverload) -> str:
     return "other"
 
 
+def _no_dropout(node: Node) -> bool:
+    """True for a seeded op whose only randomness is a `dropout_p` argument that is 0: attention
+    kernels are tagged `nondeterministic_seeded` for their dropout, yet without it they are
+    deterministic and may be recomputed (activation checkpointing recomputes them, as eager does)."""
+    schema = node.target._schema
+    for k, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in node.kwargs:
+                value = node.kwargs[arg.name]
+            elif k < len(node.args):
+                value = node.args[k]
+            else:
+                value = arg.default_value
+            return isinstance(value, (int, float)) and value == 0
+    return False
+
+
+@functools.cache
+def _deterministic_class(target: torch._ops.OpOverload) -> str:
+    name = _packet_name(target)
+    return "attention" if "attention" in name else "other"
+
+
 def op_class(node: Node) -> str:
     """'input', 'view', 'free', 'pointwise', 'cheap', 'matmul', 'conv', 'attention', 'reduction',
     'random' or 'fixed' (see the module docstring)."""
@@ -167,6 +190,8 @@ def op_class(node: Node) -> str:
     if not isinstance(target, torch._ops.OpOverload):
         return "free" if number else "fixed"  # symbolic arithmetic, or an unknown callable
     cls = _target_class(target)
+    if cls == "random" and _no_dropout(node):
+        cls = _deterministic_class(target)
     if cls in ("random", "fixed", "view"):
         return cls
     if number:
