@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .cache_higher import HigherOrderRecord, record
 from .cache_key import Uncacheable
 
 
@@ -70,6 +71,8 @@ class Entry:
     gradient_from: tuple
     facts: GraphFacts
     fw_meta: dict  # the forward module's meta the backward compiler reads (Inductor's output strides)
+    # The pristine graphs of a differentiable / None-gradient backward (cache_higher.py), or None.
+    higher_order: HigherOrderRecord | None = None
 
 
 class Recorder:
@@ -240,6 +243,7 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         gradient_from=tuple(compiled.gradient_from),
         facts=graph_facts(run.plan, compiled),
         fw_meta=fw_meta,
+        higher_order=record(compiled, dump_graph) if training else None,
     )
 
 

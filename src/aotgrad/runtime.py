@@ -222,8 +222,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     backward = bw.build("backward", "def backward(ctx, *grads):")
     differentiable = None
     if higher is not None:
-        traced = placeholder_values(compiled.bw_module)
-        tangent_meta = [(v.dtype, v.device) for v in traced[len(traced) - len(diff):]]
+        tangent_meta = [(v.dtype, v.device) for v in _traced_tangents(compiled, len(diff))]
         differentiable = higher.bind(diff, unreached, tangent_meta)
 
     return type(
@@ -231,6 +230,13 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward, differentiable))},
     )
+
+
+def _traced_tangents(compiled: CompiledForward, n: int) -> list:
+    """The backward graph's tangent placeholders' traced values (a cache hit's GraphFacts)."""
+    if compiled.facts is not None:
+        return list(compiled.facts.tangents)
+    return placeholder_values(compiled.bw_module)[-n:] if n else []
 
 
 def _unreached_when_none(plan: Plan, compiled: CompiledForward, diff: list[int]) -> dict[tuple[int, ...], list[int]]:
