@@ -40,10 +40,12 @@ class GraphRecord:
 
 @dataclass(frozen=True)
 class TensorKind:
-    """A traced tensor's dtype and device: what the run time reads off a backward placeholder."""
+    """A traced tensor's dtype, device and shape (None when symbolic): what the run time reads off
+    a backward placeholder."""
 
     dtype: torch.dtype
     device: torch.device
+    shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -263,12 +265,17 @@ def graph_facts(plan: Any, compiled: Any) -> GraphFacts:
     if compiled.bw_module is not None:
         diff = [o for o in plan.fw_outputs if o.differentiable]
         traced = placeholder_values(compiled.bw_module)[-len(diff):] if diff else []
-        tangents = tuple(TensorKind(v.dtype, v.device) if isinstance(v, torch.Tensor) else None for v in traced)
+        tangents = tuple(TensorKind(v.dtype, v.device, _static_shape(v)) if isinstance(v, torch.Tensor) else None
+                         for v in traced)
     return GraphFacts(
         scattered=frozenset(_scattered_into(compiled.fw_module)),
         outputs_are_tensors=tuple(isinstance(v, torch.Tensor) for v in _output_values(compiled.fw_module)),
         tangents=tangents,
     )
+
+
+def _static_shape(v: torch.Tensor) -> tuple[int, ...] | None:
+    return tuple(v.shape) if all(type(d) is int for d in v.shape) else None
 
 
 class _Pickler(pickle.Pickler):
