@@ -451,3 +451,25 @@ def test_create_graph_and_none_gradients_after_a_hit(tmp_path, cached, monkeypat
     eager.pop("loads")
     _assert_same(results[0], eager, exact=False)
     _assert_same(results[1], results[0], exact=True)
+
+
+def test_entry_without_pristine_graphs_refuses_create_graph(tmp_path, cached, monkeypatch):
+    """An entry whose pristine graphs could not be pickled is still a hit: first-order gradients
+    (None ones included, through the plain backward) as eager's; create_graph=True refused, as a
+    cold compile without a differentiable backward refuses it."""
+    import aotgrad.cache_serialize as cache_serialize
+    from aotgrad.errors import AotgradError
+
+    monkeypatch.setattr(cache_serialize, "record", lambda *a: None)
+    for _ in range(2):
+        cached(tmp_path)
+        x, y = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        xr, yr = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+        a, b, c = torch.compile(_two_outputs, backend="aotgrad_eager")(x, y)
+        (b * 3).sum().backward(retain_graph=True)
+        (_two_outputs(xr, yr)[1] * 3).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+        torch.testing.assert_close(y.grad, yr.grad)
+    assert aotgrad.cache_stats()["hits"] == 1
+    with pytest.raises(AotgradError, match="create_graph"):
+        torch.autograd.grad(a.sum(), x, create_graph=True)

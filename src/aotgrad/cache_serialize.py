@@ -85,9 +85,14 @@ class Recorder:
         self.forward: bytes | None = None
         self.forward_artifact: tuple[str, str | None] | None = None
         self.failure: str | None = None
+        # Set once the entry is made: the compiled functions of a later differentiable backward
+        # (higher_order.py), built with the same compilers, are not this signature's forward.
+        self.closed = False
 
     def wrap(self, compiler: Callable) -> Callable:
         def recording(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            if self.closed:
+                return compiler(gm, example_inputs)
             try:
                 self.forward = dump_graph(gm)
             except Exception as e:  # noqa: BLE001 - any pickling failure means "do not cache"
@@ -213,6 +218,7 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
     """The entry for a freshly compiled signature (`api.compile_signature`'s result). The backward
     is compiled later (on the first `.backward()`); its Inductor key is added then (`with_backward`)."""
     compiled = run.compiled
+    recorder.closed = True
     if recorder.failure:
         raise Uncacheable(recorder.failure)
     if recorder.forward is None:
