@@ -6,7 +6,8 @@ cache by the key stored with the entry (as upstream's AOTAutograd cache loads it
 compilers, `aotgrad_eager`, a graph Inductor did not cache) are unpickled and handed to this
 compile's compilers. A backward without a key is compiled on the first `.backward()`, as in a cold
 compile, and its key is then added to the entry. Graphs stay serialized until something needs
-them (`LoadedForward`). An artifact Inductor no longer has raises `ArtifactMissing`: the cache
+them (`LoadedForward`, and cache_higher's `LoadedHigherOrder` for a differentiable backward).
+An artifact Inductor no longer has raises `ArtifactMissing`: the cache
 counts a miss, logs why, and compiles the signature again.
 """
 

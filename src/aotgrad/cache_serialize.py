@@ -8,7 +8,9 @@ with an Inductor key comes back as Inductor's compiled code, loaded by that key:
 partitioning, no graph unpickled and no graph hashed again. Graphs are written with torch.fx's
 `GraphPickler` (each node's fake value kept, re-created in the loading compile's fake mode); they are
 unpickled only for graphs without an Inductor key (custom compilers, `aotgrad_eager`) or when
-something needs the graph itself (compiled autograd, a backward under autocast).
+something needs the graph itself (compiled autograd, a backward under autocast). A training entry
+also holds the pristine graphs of the differentiable backward (cache_higher.py), unpickled when a
+`create_graph=True` or None-gradient backward first runs.
 """
 
 from __future__ import annotations
