@@ -47,6 +47,10 @@ def _assert_same(a, b, exact: bool, where: str = "") -> None:
         assert a.keys() == b.keys(), where
         for k in a:
             _assert_same(a[k], b[k], exact, f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, exact, f"{where}[{k}]")
     elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         if exact:
@@ -91,6 +95,31 @@ def test_inductor_hit_in_a_new_process(tmp_path):
     warm = _check_cross_process("aotgrad", tmp_path, "small")
     assert warm["fx"].get("fxgraph_cache_hit") == 2 and not warm["fx"].get("fxgraph_cache_miss"), warm["fx"]
     assert warm["calls"] == {"graphs_unpickled": 0, "inductor_keys_computed": 0}, warm["calls"]
+
+
+def _check_forces_cross_process(backend: str, tmp_path) -> None:
+    """A force-field model (autograd.grad(create_graph=True) inside, through torch.compile) in a
+    fresh process hitting every entry: the same values and gradients as eager and as the cold run;
+    only the pristine forward/backward graphs of the graph differentiated twice are unpickled."""
+    cold = _run_job(backend, tmp_path / "c", tmp_path / "cold.pt", "forces")
+    warm = _run_job(backend, tmp_path / "c", tmp_path / "warm.pt", "forces")
+    stored = cold["stats"]["stores"]
+    assert stored >= 1 and cold["stats"]["hits"] == 0, cold["stats"]
+    assert warm["stats"]["hits"] == stored and warm["stats"]["misses"] == 0, warm["stats"]
+    if backend == "aotgrad":
+        assert cold["calls"]["graphs_unpickled"] == 0 and warm["calls"]["graphs_unpickled"] == 2, warm["calls"]
+    for run in (cold, warm):
+        _assert_same(run["compiled"], run["eager"], exact=False)
+    _assert_same(warm["compiled"], cold["compiled"], exact=True)
+
+
+def test_create_graph_after_a_hit_in_a_new_process(tmp_path):
+    _check_forces_cross_process("aotgrad_eager", tmp_path)
+
+
+@pytest.mark.long
+def test_create_graph_after_an_inductor_hit_in_a_new_process(tmp_path):
+    _check_forces_cross_process("aotgrad", tmp_path)
 
 
 def test_two_processes_writing_the_same_entries(tmp_path, cached):
@@ -307,6 +336,16 @@ def _count_graph_loads(monkeypatch) -> list:
     return loads
 
 
+def _count_pristine_loads(monkeypatch) -> list:
+    """Graphs of a hit's differentiable / None-gradient backward unpickled (cache_higher.py)."""
+    import aotgrad.cache_load as cache_load
+
+    loads: list = []
+    load = cache_load._Graphs.load
+    monkeypatch.setattr(cache_load._Graphs, "load", lambda self, data: loads.append(1) or load(self, data))
+    return loads
+
+
 def test_deleted_inductor_artifact_is_a_miss_with_its_reason(tmp_path, cached, caplog, monkeypatch):
     """An aotgrad entry whose Inductor compiled code is gone: a miss saying so, a compile that
     matches eager, the entry rewritten; the next compile hits without unpickling a graph."""
@@ -354,28 +393,83 @@ def _two_outputs(x, y):
 
 def test_hit_generates_the_cold_run_time_code(tmp_path, cached, monkeypatch, capsys):
     """The run time built from an entry's GraphFacts (no graph loaded) is the code a cold compile
-    generates: the same prologue/epilogue, `autograd.Function` and None-gradient handling. Known
-    difference: a hit has no differentiable backward (higher_order.py), so `create_graph=True`
-    through it is refused with an AotgradError where a cold compile computes it."""
-    from aotgrad.errors import AotgradError
-
+    generates: the same prologue/epilogue, `autograd.Function`, None-gradient handling and
+    differentiable backward (higher_order.py), whose graphs a first-order backward never loads."""
     monkeypatch.setenv("AOTGRAD_PRINT_RUNTIME", "1")
-    sources = []
-    for _ in range(2):
+    sources, loads = [], []
+    for hit in (False, True):
         cached(tmp_path)
+        if hit:
+            loads = _count_pristine_loads(monkeypatch)
         x = torch.randn(3, 4, requires_grad=True)
         y = torch.randn(3, 4, requires_grad=True)
         capsys.readouterr()
         a, b, c = torch.compile(_two_outputs, backend="aotgrad_eager")(x, y)
         sources.append(capsys.readouterr().out)
-        a.sum().backward(retain_graph=True)  # only `a`'s gradient: y's stays None, as in eager
-        assert y.grad is None and torch.allclose(x.grad, 2 * x.detach().cos())
+        (a.sum() + b.sum() + c).backward(retain_graph=True)  # every output gets a gradient
+        assert loads == []
+    assert aotgrad.cache_stats()["hits"] == 1
+    assert "set_materialize_grads(False)" in sources[0] and "ctx.primals = primals" in sources[0]
+    assert sources[0] == sources[1]
+
+
+def _second_order(fn, loads: list, *shapes) -> dict:
+    """Values and a first-order backward where only output 1 gets a gradient (the None-tangent
+    backward), then first and second derivatives (create_graph=True through output 0, the others'
+    gradients None), of `fn`; `loads` (pristine graphs unpickled) after each."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(*s, dtype=torch.float64, generator=g).requires_grad_() for s in shapes]
+    outs = fn(*xs)
+    (outs[1] * 3).sum().backward()
+    out = {"outs": [o.detach() for o in outs], "none_grads": [x.grad for x in xs], "loads": [len(loads)]}
+    first = torch.autograd.grad(fn(*xs)[0].sum(), xs, create_graph=True, allow_unused=True, materialize_grads=True)
+    second = torch.autograd.grad(sum((d * d.cos()).sum() for d in first), xs, allow_unused=True,
+                                 materialize_grads=True)
+    out.update(first=[d.detach() for d in first], second=list(second), loads=out["loads"] + [len(loads)])
+    return out
+
+
+def test_create_graph_and_none_gradients_after_a_hit(tmp_path, cached, monkeypatch):
+    """After a hit, a backward where some outputs get no gradient runs the backward specialised for
+    their zeros (zero_tangents.py), from the pristine backward graph unpickled then; create_graph=True
+    unpickles the pristine forward too and gives eager's (and the cold compile's) second derivatives."""
+    import aotgrad.zero_tangents as zero_tangents
+
+    specialised: list = []
+    specialise = zero_tangents.specialise
+    monkeypatch.setattr(zero_tangents, "specialise", lambda *a: specialised.append(specialise(*a)) or specialised[-1])
+    results = []
+    for hit in (False, True):
+        cached(tmp_path)
+        specialised.clear()
+        loads = _count_pristine_loads(monkeypatch)
+        results.append(_second_order(torch.compile(_two_outputs, backend="aotgrad_eager"), loads, (3, 4), (3, 4)))
+        assert aotgrad.cache_stats()["hits"] == int(hit)
+        assert results[-1].pop("loads") == ([1, 2] if hit else [0, 0])  # bw, then fw: each once
+        assert specialised and specialised[0] is not None  # the zero-tangent backward, hit or not
+    eager = _second_order(_two_outputs, [], (3, 4), (3, 4))
+    eager.pop("loads")
+    _assert_same(results[0], eager, exact=False)
+    _assert_same(results[1], results[0], exact=True)
+
+
+def test_entry_without_pristine_graphs_refuses_create_graph(tmp_path, cached, monkeypatch):
+    """An entry whose pristine graphs could not be pickled is still a hit: first-order gradients
+    (None ones included, through the plain backward) as eager's; create_graph=True refused, as a
+    cold compile without a differentiable backward refuses it."""
+    import aotgrad.cache_serialize as cache_serialize
+    from aotgrad.errors import AotgradError
+
+    monkeypatch.setattr(cache_serialize, "record", lambda *a: None)
+    for _ in range(2):
+        cached(tmp_path)
+        x, y = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        xr, yr = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
+        a, b, c = torch.compile(_two_outputs, backend="aotgrad_eager")(x, y)
+        (b * 3).sum().backward(retain_graph=True)
+        (_two_outputs(xr, yr)[1] * 3).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+        torch.testing.assert_close(y.grad, yr.grad)
     assert aotgrad.cache_stats()["hits"] == 1
     with pytest.raises(AotgradError, match="create_graph"):
         torch.autograd.grad(a.sum(), x, create_graph=True)
-
-    def first_order(src: str) -> list[str]:
-        return [line for line in src.splitlines() if "ctx.primals" not in line and "keep_graph" not in line]
-
-    assert "set_materialize_grads(False)" in sources[0] and "ctx.primals = primals" in sources[0]
-    assert first_order(sources[0]) == first_order(sources[1])

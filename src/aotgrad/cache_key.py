@@ -25,7 +25,7 @@ import torch.fx
 
 from . import config
 
-FORMAT = 2  # bump when what an entry holds changes
+FORMAT = 3  # bump when what an entry holds changes
 
 # aotgrad options that do not change what the backend compiles (reports, the aot_function path).
 _CONFIG_NOT_IN_KEY = frozenset({"cache", "explain_dir", "recompile_limit", "recompile_hard_limit"})

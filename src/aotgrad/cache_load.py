@@ -6,7 +6,8 @@ cache by the key stored with the entry (as upstream's AOTAutograd cache loads it
 compilers, `aotgrad_eager`, a graph Inductor did not cache) are unpickled and handed to this
 compile's compilers. A backward without a key is compiled on the first `.backward()`, as in a cold
 compile, and its key is then added to the entry. Graphs stay serialized until something needs
-them (`LoadedForward`). An artifact Inductor no longer has raises `ArtifactMissing`: the cache
+them (`LoadedForward`, and cache_higher's `LoadedHigherOrder` for a differentiable backward).
+An artifact Inductor no longer has raises `ArtifactMissing`: the cache
 counts a miss, logs why, and compiles the signature again.
 """
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from .cache_higher import attach
 from .cache_serialize import Entry, GraphRecord, load_graph, on_compiled
 from .compile import CompiledForward
 
@@ -62,6 +65,7 @@ class LoadedForward(CompiledForward):
 def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: Callable) -> Callable:
     """The generated `run(leaves)` for a cached signature. `on_backward(artifact)` is called when a
     backward without an Inductor key gets compiled (its key goes into the entry)."""
+    from .api import CompiledFunction
     from .backend_inductor import inductor_compilers, link_backward
     from .compile import _aot_ids
     from .compilers import boxed, naming
@@ -114,6 +118,10 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
             load_bw=load_bw,
             **common,
         )
+        # The cold compile's differentiable backward (create_graph=True) and None-gradient
+        # specialisation: their pristine graphs are unpickled when such a backward first runs.
+        attach(compiled, entry.higher_order, graphs.load,
+               lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)))
     run = build_runner(plan, compiled)
     run.plan = plan
     run.compiled = compiled
@@ -144,6 +152,9 @@ class _Graphs:
 
     def backward(self) -> torch.fx.GraphModule:
         return _load(self.entry.backward, "backward", self._fake_mode())
+
+    def load(self, data: bytes) -> torch.fx.GraphModule:
+        return load_graph(data, self._fake_mode())
 
 
 def _load(record: GraphRecord, what: str, fake_mode) -> torch.fx.GraphModule:

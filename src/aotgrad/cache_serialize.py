@@ -8,7 +8,9 @@ with an Inductor key comes back as Inductor's compiled code, loaded by that key:
 partitioning, no graph unpickled and no graph hashed again. Graphs are written with torch.fx's
 `GraphPickler` (each node's fake value kept, re-created in the loading compile's fake mode); they are
 unpickled only for graphs without an Inductor key (custom compilers, `aotgrad_eager`) or when
-something needs the graph itself (compiled autograd, a backward under autocast).
+something needs the graph itself (compiled autograd, a backward under autocast). A training entry
+also holds the pristine graphs of the differentiable backward (cache_higher.py), unpickled when a
+`create_graph=True` or None-gradient backward first runs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .cache_higher import HigherOrderRecord, record
 from .cache_key import Uncacheable
 
 
@@ -39,10 +42,12 @@ class GraphRecord:
 
 @dataclass(frozen=True)
 class TensorKind:
-    """A traced tensor's dtype and device: what the run time reads off a backward placeholder."""
+    """A traced tensor's dtype, device and shape (None when symbolic): what the run time reads off
+    a backward placeholder."""
 
     dtype: torch.dtype
     device: torch.device
+    shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Entry:
     gradient_from: tuple
     facts: GraphFacts
     fw_meta: dict  # the forward module's meta the backward compiler reads (Inductor's output strides)
+    # The pristine graphs of a differentiable / None-gradient backward (cache_higher.py), or None.
+    higher_order: HigherOrderRecord | None = None
 
 
 class Recorder:
@@ -80,9 +87,14 @@ class Recorder:
         self.forward: bytes | None = None
         self.forward_artifact: tuple[str, str | None] | None = None
         self.failure: str | None = None
+        # Set once the entry is made: the compiled functions of a later differentiable backward
+        # (higher_order.py), built with the same compilers, are not this signature's forward.
+        self.closed = False
 
     def wrap(self, compiler: Callable) -> Callable:
         def recording(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            if self.closed:
+                return compiler(gm, example_inputs)
             try:
                 self.forward = dump_graph(gm)
             except Exception as e:  # noqa: BLE001 - any pickling failure means "do not cache"
@@ -208,6 +220,7 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
     """The entry for a freshly compiled signature (`api.compile_signature`'s result). The backward
     is compiled later (on the first `.backward()`); its Inductor key is added then (`with_backward`)."""
     compiled = run.compiled
+    recorder.closed = True
     if recorder.failure:
         raise Uncacheable(recorder.failure)
     if recorder.forward is None:
@@ -240,6 +253,7 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         gradient_from=tuple(compiled.gradient_from),
         facts=graph_facts(run.plan, compiled),
         fw_meta=fw_meta,
+        higher_order=record(compiled, dump_graph) if training else None,
     )
 
 
@@ -259,12 +273,17 @@ def graph_facts(plan: Any, compiled: Any) -> GraphFacts:
     if compiled.bw_module is not None:
         diff = [o for o in plan.fw_outputs if o.differentiable]
         traced = placeholder_values(compiled.bw_module)[-len(diff):] if diff else []
-        tangents = tuple(TensorKind(v.dtype, v.device) if isinstance(v, torch.Tensor) else None for v in traced)
+        tangents = tuple(TensorKind(v.dtype, v.device, _static_shape(v)) if isinstance(v, torch.Tensor) else None
+                         for v in traced)
     return GraphFacts(
         scattered=frozenset(_scattered_into(compiled.fw_module)),
         outputs_are_tensors=tuple(isinstance(v, torch.Tensor) for v in _output_values(compiled.fw_module)),
         tangents=tangents,
     )
+
+
+def _static_shape(v: torch.Tensor) -> tuple[int, ...] | None:
+    return tuple(v.shape) if all(type(d) is int for d in v.shape) else None
 
 
 class _Pickler(pickle.Pickler):

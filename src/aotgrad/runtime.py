@@ -156,14 +156,17 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     unreached = _unreached_when_none(plan, compiled, diff)
     # Outputs that get no gradient are seen as None, for the inputs eager leaves None (below) and
     # for a backward specialised for their zeros (zero_tangents.py; where no unchanged copy of the
-    # backward graph was kept, as on a cache hit, the plain backward runs: the same code either way).
+    # backward graph was kept, the plain backward runs: the same code either way).
     none_aware = bool(unreached) or len(diff) >= 2
+    static_shapes = _static_tangent_shapes(compiled, len(diff)) if none_aware else None
     if none_aware:
         # Outputs that get no gradient arrive as None (not zeros), so that inputs only they reach
-        # get None, as in eager; the backward graph gets zeros in their place. Their sizes may be
-        # symbolic, so they are read per call; dtype and device come from the traced tangents.
+        # get None, as in eager; the backward graph gets zeros in their place, of the traced
+        # tangents' dtype, device and shape. Static shapes are constants on the Function's backward
+        # class (ctx's type: `ctx.tangent_shapes` reads them); symbolic ones are stored per call.
         fw.emit("ctx.set_materialize_grads(False)")
-        fw.emit(f"ctx.tangent_shapes = {_tuple_src([f'outs[{i}].shape' for i in diff])}")
+        if static_shapes is None:
+            fw.emit(f"ctx.tangent_shapes = {_tuple_src([f'outs[{i}].shape' for i in diff])}")
     if nondiff:
         fw.emit("ctx.mark_non_differentiable(" + ", ".join(f"outs[{i}]" for i in nondiff) + ")")
     fw.emit("return outs")
@@ -177,7 +180,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     bw.globals["_contig"] = _contiguous
     if none_aware:
         bw.globals["_zeros"] = torch.zeros
-        traced = facts.tangents if facts is not None else placeholder_values(compiled.bw_module)[-len(diff):]
+        traced = _traced_tangents(compiled, len(diff))
         for j, i in enumerate(diff):
             bw.emit(f"t{j} = grads[{i}]")
             bw.globals[f"_dtype{j}"], bw.globals[f"_device{j}"] = traced[j].dtype, traced[j].device
@@ -222,15 +225,33 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     backward = bw.build("backward", "def backward(ctx, *grads):")
     differentiable = None
     if higher is not None:
-        traced = placeholder_values(compiled.bw_module)
-        tangent_meta = [(v.dtype, v.device) for v in traced[len(traced) - len(diff):]]
+        tangent_meta = [(v.dtype, v.device) for v in _traced_tangents(compiled, len(diff))]
         differentiable = higher.bind(diff, unreached, tangent_meta)
 
-    return type(
+    function = type(
         "CompiledFunction",
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward, differentiable))},
     )
+    if static_shapes is not None:
+        function._backward_cls.tangent_shapes = static_shapes
+    return function
+
+
+def _traced_tangents(compiled: CompiledForward, n: int) -> list:
+    """The backward graph's tangent placeholders' traced values (a cache hit's GraphFacts)."""
+    if compiled.facts is not None:
+        return list(compiled.facts.tangents)
+    return placeholder_values(compiled.bw_module)[-n:] if n else []
+
+
+def _static_tangent_shapes(compiled: CompiledForward, n: int) -> tuple[torch.Size, ...] | None:
+    """The traced tangents' shapes when every one is static (then the shape of each output at run
+    time), else None. A cache hit reads them off its GraphFacts, so it generates the same code."""
+    shapes = [getattr(v, "shape", None) for v in _traced_tangents(compiled, n)]
+    if any(s is None or not all(type(d) is int for d in s) for s in shapes):
+        return None
+    return tuple(torch.Size(s) for s in shapes)
 
 
 def _unreached_when_none(plan: Plan, compiled: CompiledForward, diff: list[int]) -> dict[tuple[int, ...], list[int]]:
