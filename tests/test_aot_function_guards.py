@@ -7,7 +7,10 @@ import copy
 import enum
 import gc
 import logging
+import os
 import re
+import subprocess
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -401,6 +404,15 @@ def test_every_config_option_documented():
     for name in aotgrad.config._NAMES:
         assert f"`{name}`" in readme or f"config.{name}" in readme, name
     assert "AOTGRAD_PRINT_RUNTIME" in readme
+
+
+def test_print_runtime_writes_the_generated_code_to_stderr():
+    """AOTGRAD_PRINT_RUNTIME=1 turns on the `aotgrad.runtime.source` logger (no print in the library)."""
+    code = "import torch, aotgrad; aotgrad.aot_function(lambda x: x.sin(), aotgrad.nop)(torch.randn(3, requires_grad=True))"
+    env = {**os.environ, "AOTGRAD_PRINT_RUNTIME": "1", "AOTGRAD_CACHE": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "def run(" in done.stderr and done.stdout == ""
 
 
 def test_backend_honours_torch_activation_memory_budget():

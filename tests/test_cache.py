@@ -391,11 +391,11 @@ def _two_outputs(x, y):
     return x.sin() * 2, (x * y).t(), y.cos().sum()
 
 
-def test_hit_generates_the_cold_run_time_code(tmp_path, cached, monkeypatch, capsys):
+def test_hit_generates_the_cold_run_time_code(tmp_path, cached, monkeypatch, caplog):
     """The run time built from an entry's GraphFacts (no graph loaded) is the code a cold compile
     generates: the same prologue/epilogue, `autograd.Function`, None-gradient handling and
     differentiable backward (higher_order.py), whose graphs a first-order backward never loads."""
-    monkeypatch.setenv("AOTGRAD_PRINT_RUNTIME", "1")
+    caplog.set_level(logging.DEBUG, logger="aotgrad.runtime.source")
     sources, loads = [], []
     for hit in (False, True):
         cached(tmp_path)
@@ -403,9 +403,9 @@ def test_hit_generates_the_cold_run_time_code(tmp_path, cached, monkeypatch, cap
             loads = _count_pristine_loads(monkeypatch)
         x = torch.randn(3, 4, requires_grad=True)
         y = torch.randn(3, 4, requires_grad=True)
-        capsys.readouterr()
+        caplog.clear()
         a, b, c = torch.compile(_two_outputs, backend="aotgrad_eager")(x, y)
-        sources.append(capsys.readouterr().out)
+        sources.append("\n".join(r.getMessage() for r in caplog.records if r.name == "aotgrad.runtime.source"))
         (a.sum() + b.sum() + c).backward(retain_graph=True)  # every output gets a gradient
         assert loads == []
     assert aotgrad.cache_stats()["hits"] == 1

@@ -15,11 +15,13 @@ that alias inputs or intermediates, and rebuild the output pytree. For example, 
         return o0
 
 No loop over metadata runs per call: every decision was taken when the source was written.
-`AOTGRAD_PRINT_RUNTIME=1` prints the generated code.
+The generated code is logged to `aotgrad.runtime.source` at DEBUG; `AOTGRAD_PRINT_RUNTIME=1` turns
+that logger on, writing to stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -58,6 +60,11 @@ from .plan import (
     ViewChain,
     symbols_in,
 )
+
+_SOURCE_LOG = logging.getLogger("aotgrad.runtime.source")
+if os.environ.get("AOTGRAD_PRINT_RUNTIME"):
+    _SOURCE_LOG.setLevel(logging.DEBUG)
+    _SOURCE_LOG.addHandler(logging.StreamHandler())
 
 _PRINTER = PythonPrinter()
 
@@ -104,8 +111,8 @@ class _Source:
 
     def build(self, name: str, header: str) -> Callable:
         src = "\n".join([header] + (self.lines or ["    pass"])) + "\n"
-        if os.environ.get("AOTGRAD_PRINT_RUNTIME"):
-            print(src)
+        if _SOURCE_LOG.isEnabledFor(logging.DEBUG):
+            _SOURCE_LOG.debug("%s", src)
         code = compile(src, f"<aotgrad {name}>", "exec")
         scope: dict[str, Any] = {}
         exec(code, self.globals, scope)

@@ -4,7 +4,7 @@ Per signature, straight-line Python as for plain programs (runtime.py): each sub
 read attribute by attribute (or unwrapped through `_Unwrap` where its gradient is needed), the
 compiled plain run is called, and each subclass output is rebuilt with its class's
 `__tensor_unflatten__` and the context the trace saw (through `_Wrap` where it is differentiable).
-No per-call walk over subclass metadata. `AOTGRAD_PRINT_RUNTIME=1` prints it.
+No per-call walk over subclass metadata. `AOTGRAD_PRINT_RUNTIME=1` logs it (runtime.py).
 
     def run(leaves):
         (l0, l1, ) = leaves
