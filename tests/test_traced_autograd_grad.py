@@ -105,12 +105,19 @@ def test_force_field_step_is_one_graph_and_matches_eager(name):
     assert len(backend.graphs) == 1 and backend.calls_autograd_grad(), [g.code for g in backend.graphs]
 
 
-def test_forces_then_create_graph_again_third_order():
+@pytest.mark.parametrize("how", ["torch.compile", "aot_module", "aot_module_mincut"])
+def test_forces_then_create_graph_again_third_order(how):
     """A second derivative of the forces through the graph that computes them: the higher-order
-    path (higher_order.py) runs over a graph that itself differentiates."""
+    path (higher_order.py) runs over a graph that itself differentiates (Tanh: the unpacked saved
+    output, tracer.ENGINE_UNPACK; SiLU: `silu_backward` decomposed on retry, where aot_module's
+    default partition used to raise an aliasing error for the saved weight and its transpose)."""
     torch.manual_seed(0)
     model = Energy().double()
-    compiled = torch.compile(model, backend=_backend("aotgrad_eager"))
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend=_backend("aotgrad_eager"))
+    else:
+        kw = {"partition_fn": min_cut_rematerialization_partition} if how.endswith("mincut") else {}
+        compiled = aotgrad.aot_module(model, nop, **kw)
     pos = torch.randn(5, 3, dtype=D).requires_grad_()
     out = []
     for m in (compiled, model):
