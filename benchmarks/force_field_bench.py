@@ -8,9 +8,9 @@ Variants (each its own Dynamo code object, so their caches do not mix):
 - "aotgrad": `torch._dynamo.config.trace_autograd_ops=True` (torch >= 2.13), so Dynamo puts
   `autograd.grad` into the graph: energy and forces are one graph, whose ordinary backward is the
   second-order gradient.
-- "aotgrad, graph break": Dynamo's default, splitting the model at `autograd.grad`: the backward
+- "aotgrad (graph break)": Dynamo's default, splitting the model at `autograd.grad`: the backward
   differentiates the compiled energy graph twice (higher_order.py).
-- "upstream inductor" with `trace_autograd_ops=True`; "upstream inductor, graph break" refuses
+- "upstream inductor" with `trace_autograd_ops=True`; "upstream inductor (graph break)" refuses
   double backward.
 
 1. Correctness: one step from the same weights; loss and every weight's gradient against eager.
@@ -43,9 +43,9 @@ TARGET = 0.7
 IMPLS = {
     "eager": (None, False),
     "aotgrad": ("aotgrad", True),
-    "aotgrad, graph break": ("aotgrad", False),
+    "aotgrad (graph break)": ("aotgrad", False),
     "upstream inductor": ("inductor", True),
-    "upstream inductor, graph break": ("inductor", False),
+    "upstream inductor (graph break)": ("inductor", False),
 }
 
 
