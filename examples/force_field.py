@@ -3,12 +3,16 @@
 The model is an energy MLP over the pairwise distances of 64 atoms (Gaussian radial features per
 pair, an MLP per pair, summed). Forces are -dE/dpositions, taken inside the model with
 `torch.autograd.grad(..., create_graph=True)`; the loss on energies and forces is then
-backpropagated to the weights: a second-order gradient through compiled code. Dynamo splits the
-model around `autograd.grad`; aotgrad differentiates the compiled energy graph twice
-(src/aotgrad/higher_order.py). Upstream's torch.compile refuses this ("does not currently support
+backpropagated to the weights: a second-order gradient through compiled code.
+
+By default Dynamo traces `autograd.grad` into the graph (`torch._dynamo.config.trace_autograd_ops`,
+torch >= 2.13): energy and forces are one graph aotgrad compiles, and its ordinary backward is the
+second-order gradient (the fastest way, benchmarks/RESULTS.md). With `--graph-break` Dynamo splits
+the model around `autograd.grad` and aotgrad differentiates the compiled energy graph twice
+(src/aotgrad/higher_order.py); upstream's torch.compile refuses that ("does not currently support
 double backward").
 
-    python examples/force_field.py [--steps 200] [--eager] [--backend aotgrad_eager]
+    python examples/force_field.py [--steps 200] [--eager] [--graph-break] [--backend aotgrad_eager]
 
 The targets come from a Morse potential on jittered lattice configurations (synthetic data).
 """
@@ -92,7 +96,11 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--backend", default="aotgrad")
     p.add_argument("--eager", action="store_true", help="no torch.compile")
+    p.add_argument("--graph-break", action="store_true",
+                   help="let Dynamo split the model at autograd.grad (double backward through aotgrad)")
     args = p.parse_args(argv)
+    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        torch._dynamo.config.trace_autograd_ops = not args.graph_break
 
     torch.manual_seed(0)
     model = EnergyMLP()

@@ -57,6 +57,7 @@ from .capture_state import (
 )
 from .cse import eliminate_common_subexpressions
 from .errors import AotgradError, UnsupportedAliasingError, UnsupportedMutationError, UnsupportedOutputError
+from .higher_order import missing_derivative
 from .inputs import storage_groups as shared_storage_groups
 from .plan import Captured, InputLayout, Plan
 from .trace_modes import Functionalize, TraceHooks, overlaps_itself
@@ -117,7 +118,7 @@ def capture(
     except (RuntimeError, ValueError, IndexError) as e:
         if isinstance(e, AotgradError):
             raise
-        if storage_groups:
+        if storage_groups and not missing_derivative(e):
             # Inputs sharing memory were traced apart, which eager's aliasing checks (views taken
             # under no_grad, leaves written through views) can trip on: retry them as one base.
             raise NeedsSyntheticBase([list(g) for g in storage_groups]) from e

@@ -45,7 +45,7 @@ import torch.fx
 
 from .errors import AotgradError, HigherOrderError
 from .partition import flows_from
-from .tracer import NO_GRAD
+from .tracer import ENGINE_UNPACK, NO_GRAD
 
 log = logging.getLogger("aotgrad.higher_order")
 
@@ -61,7 +61,9 @@ def tag_saved_unpacks(graph: torch.fx.Graph, last_forward: torch.fx.Node | None)
     formula detached: the joint graph's backward reads `detach(detach(tanh))` (one when autograd
     saved the output in the forward, one when the backward unpacked it) where eager's double
     backward reads `tanh` with its history. Tagged: a `detach` recorded after `last_forward` and not
-    computed from a tangent, and a forward `detach` that only such backward nodes read. The
+    computed from a tangent; in the forward, the `detach` of a saved output that the program's own
+    `autograd.grad(create_graph=True)` unpacked (`tracer.ENGINE_UNPACK`: autograd gave it the
+    output's history, the graph does not), and a `detach` that only tagged nodes read. The
     differentiable backward drops them (`_undetach`); the program's own `detach`es stay. cse.py
     keeps tagged and untagged nodes apart."""
     if last_forward is None:
@@ -78,11 +80,11 @@ def tag_saved_unpacks(graph: torch.fx.Graph, last_forward: torch.fx.Node | None)
             from_tangents.add(node)
         elif node.op == "call_function" and node.target is detach:
             node.meta[SAVED_UNPACK] = True
-    for node in graph.nodes:
-        if order[node] > boundary:
-            break
-        if (node.op == "call_function" and node.target is detach and node.users
-                and all(u.op != "output" and order[u] > boundary for u in node.users)):
+    for node in reversed([n for n in graph.nodes if order[n] <= boundary]):
+        if node.op != "call_function" or node.target is not detach:
+            continue
+        if node.meta.get(ENGINE_UNPACK) or (node.users and all(
+                u.op != "output" and (order[u] > boundary or u.meta.get(SAVED_UNPACK)) for u in node.users)):
             node.meta[SAVED_UNPACK] = True
 
 
@@ -297,6 +299,12 @@ def _scalar_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
 # `native_layer_norm_backward` would cut the dependence of the saved mean and rstd on the input).
 _DECOMPOSED: set[str] = set()
 _NO_DERIVATIVE = re.compile(r"derivative for (\S+) is not implemented")
+
+
+def missing_derivative(e: BaseException) -> bool:
+    """An operator autograd cannot differentiate: `_call_differentiably` decomposes it and retries,
+    so capture must pass the error on as it is (not retry inputs sharing memory as one base)."""
+    return _NO_DERIVATIVE.search(str(e)) is not None
 
 
 class _Decomposing(torch.fx.Interpreter):

@@ -116,6 +116,8 @@ class LeanTracer(TorchDispatchMode):
             self.first_op = node
         if not torch.is_grad_enabled():  # under no_grad, or in a custom Function's forward (higher_order.py)
             node.meta[NO_GRAD] = True
+        elif target is torch.ops.aten.detach.default and torch._C._current_autograd_node() is not None:
+            node.meta[ENGINE_UNPACK] = True  # the program's autograd.grad(create_graph=True) unpacked a saved output
         node.meta["val"] = out
         node.meta["original_aten"] = self.original_op or target
         node_meta.annotate(node)
@@ -181,6 +183,9 @@ class _NodeLookup:
 
 # Meta keys: a node recorded with grad mode off; a graph whose nodes carry that key.
 NO_GRAD = "aotgrad_no_grad"
+# A `detach` autograd's engine recorded while the program's own `autograd.grad(create_graph=True)`
+# ran: unpacking a saved output, which autograd gives the output's history (higher_order.py).
+ENGINE_UNPACK = "aotgrad_engine_unpack"
 GRAD_MODE_RECORDED = "aotgrad_grad_mode_recorded"
 
 _METADATA_OPS = {
