@@ -86,7 +86,7 @@ def run(seconds: float, batch: int, log=print, impls: tuple[str, ...] = tuple(IM
     setups = {}
     grads = {}
     cache = aotgrad.config.cache
-    aotgrad.config.cache = False  # steady state only; a cache hit has no double backward (README)
+    aotgrad.config.cache = False  # steady state from fresh compiles: no entry from an earlier run
     try:
         for name in impls:
             if IMPLS[name][1] and not _can_trace_autograd_grad():
