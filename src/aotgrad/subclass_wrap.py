@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import analysis
+from . import analysis, subclass_symbolic
 from .errors import (
     AotgradError,
     InplaceOnLeafError,
@@ -336,7 +336,6 @@ class Boundary:
                 self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
             else:
                 site = _Site(layout_of(o), f"output {k}")
-                _refuse_symbolic(site.layout, k)
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
                 self.outputs[k] = SubclassOut(site, len(plain), differentiable)
                 if differentiable:
@@ -407,16 +406,6 @@ class Boundary:
         fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
                "replay": _replay}
         return build_run(self, run_plain, mutated, fns)
-
-
-def _refuse_symbolic(layout: SubclassLayout, k: int) -> None:
-    """The run time rebuilds a subclass output with the traced outer size and stride."""
-    sizes = [*layout.outer_size, *layout.outer_stride]
-    if any(isinstance(v, torch.SymInt) for v in sizes):
-        raise UnsupportedOutputError(
-            f"aotgrad: output {k} is a {layout.describe()} of symbolic size {tuple(layout.outer_size)}; "
-            "rebuilding subclass outputs of symbolic size is not supported yet. Mark the inputs static."
-        )
 
 
 def _refuse_nested(x: Any, name: str) -> None:
@@ -543,7 +532,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
     boundary.refuse_grad_mutations(leaves, mutated)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
-    run = boundary.runner(run_plain, mutated)
+    run = subclass_symbolic.runner(boundary, leaves, run_plain, mutated)  # per shape where sizes are symbolic
     run.plan = run_plain.plan
     run.compiled = run_plain.compiled
     run.boundary = boundary
