@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import AotgradError, UnsupportedOutputError
-from .subclass_sizes import traced_outer
+from .subclass_sizes import tie_ragged, traced_outer
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,8 @@ def refuse_subclass_tangent(g: torch.Tensor, i: int) -> None:
 
 
 def _ctx_key(ctx: Any) -> Any:
+    if isinstance(ctx, dict) and "requires_grad" in ctx:  # autograd state (a NestedTensor's), not structure
+        ctx = {k: v for k, v in ctx.items() if k != "requires_grad"}
     try:
         hash(ctx)
     except TypeError:
@@ -151,6 +153,7 @@ def rebuild(layout: SubclassLayout, plains: Sequence[torch.Tensor], pos: int = 0
     size, stride = layout.outer_size, layout.outer_stride
     if layout.symbolic:  # in a trace: in terms of the inner tensors' tracked SymInts
         size, stride = traced_outer(size, stride, plains[pos - layout.num_plain:pos])
+        tie_ragged(layout.cls, inner, layout.ctx, size)
     return layout.cls.__tensor_unflatten__(inner, layout.ctx, size, stride)
 
 

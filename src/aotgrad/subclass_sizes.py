@@ -71,3 +71,45 @@ def _evaluate(expr, env: dict) -> Any:
             out = out + v if expr.is_Add else out * v
         return out
     raise KeyError(expr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jagged NestedTensors: the ragged size in a trace
+
+
+def tie_ragged(cls: type, inner: dict, ctx: Any, size: tuple) -> None:
+    """A jagged NestedTensor rebuilt in a trace takes its ragged size from its offsets' (or lengths')
+    fake's memo: Dynamo's fakes hold a ShapeEnv symbol there that no placeholder carries (`make_fx`
+    then refuses the NestedTensor's stride arithmetic on it), and the fresh fakes of a trace none
+    (a new such symbol, or a failure without a ShapeEnv). Give that fake a real nested int instead:
+    the outer size's own, or the one a symbolic ragged size stands for (its hint). Nested ints need
+    no tracking: their arithmetic is exact and records nothing, and no graph computes with them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import mb_unwrap_functional_tensor
+    from torch.nested._internal.nested_int import NestedIntNode
+    from torch.nested._internal.nested_tensor import NestedTensor
+
+    if not issubclass(cls, NestedTensor):
+        return
+    ragged = size[ctx["ragged_idx"]]
+    if not (isinstance(ragged, torch.SymInt) and ragged.node.is_nested_int()):
+        return
+    nested = ragged if isinstance(ragged.node, NestedIntNode) else ragged.node.hint
+    source = inner.get("_lengths")
+    fake = mb_unwrap_functional_tensor(inner["_offsets"] if source is None else source)
+    memo = getattr(fake, "nested_int_memo", None)
+    if isinstance(fake, FakeTensor) and isinstance(nested, torch.SymInt) and not isinstance(
+            getattr(memo, "node", None), NestedIntNode):
+        fake.nested_int_memo = nested
+
+
+def sizes_match(shape: Sequence, outer: Sequence) -> bool:
+    """A run-time size against a layout's: -1 (a nested int, subclass_symbolic.specialize) matches any."""
+    return len(shape) == len(outer) and all(o == -1 or s == o for s, o in zip(shape, outer))
+
+
+def metadata_tensors(plains: Sequence[torch.Tensor]) -> list | None:
+    """Per plain inner tensor, itself where it is integer metadata (a NestedTensor's offsets: never
+    differentiable, and its identity carries the nested int), else None; None when there is none."""
+    kept = [None if p.is_floating_point() or p.is_complex() else p for p in plains]
+    return None if all(k is None for k in kept) else kept
