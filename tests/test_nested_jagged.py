@@ -144,7 +144,16 @@ def test_dynamic_true_is_refused_naming_the_input():
     (upstream traces with symbolic nested ints); refused with what to do, never a wrong value."""
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: (x * 3).relu(), backend="aotgrad_eager", dynamic=True)
-    with pytest.raises(Exception, match=r"input \d+ is a jagged NestedTensor passed with static sizes"):
+    with pytest.raises(Exception, match=r"input \d+ is a jagged NestedTensor with a concrete ragged size"):
+        compiled(njt([2, 3]))
+
+
+def test_unsupported_symbolic_trace_is_refused_not_wrong():
+    """An op the symbolic trace cannot replay at the subclass level (a transposed view returned):
+    the per-shape fallback refuses, naming the input."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.transpose(1, 2), backend="aotgrad_eager")
+    with pytest.raises(Exception, match=r"input \d+ is a jagged NestedTensor with a concrete ragged size"):
         compiled(njt([2, 3]))
 
 
@@ -171,3 +180,18 @@ def test_input_without_grad_and_plain_input():
         got[1].values().sum().backward()
         torch.testing.assert_close(w2.grad, w.grad)
         w.grad = None
+
+
+@pytest.mark.parametrize("case", ["values", "values_times_two", "offsets", "built_inside", "batch_scale"])
+def test_outputs_read_off_the_nested_tensor(case):
+    """Plain outputs that are (views of) its values or its offsets, a NestedTensor the program builds
+    with nested_tensor_from_jagged, a product with its batch size (a symbolic int in the graph)."""
+    fn = {
+        "values": lambda x: x.values(),
+        "values_times_two": lambda x: x.values() * 2,
+        "offsets": lambda x: (x * 2, x.offsets()),
+        "built_inside": lambda x: torch.nested.nested_tensor_from_jagged(x.values() * 2, x.offsets()),
+        "batch_scale": lambda x: x * x.size(0),
+    }[case]
+    graphs = check(fn, lambda lens: [njt(lens)], aotgrad.aotgrad_eager)
+    assert graphs <= 2

@@ -46,10 +46,10 @@ def refuse_static(leaves: Sequence[Any]) -> None:
     for i, x in enumerate(leaves):
         if is_jagged(x) and _has_real_nested_int(x):
             raise UnsupportedInputError(
-                f"aotgrad: input {i} is a jagged NestedTensor passed with static sizes (aot_function, or a "
-                "graph the torch.compile backend had to compile per shape, e.g. under dynamic=True, which "
-                "makes its dense sizes symbolic too); aotgrad compiles jagged NestedTensors only under "
-                "torch.compile(backend='aotgrad' or 'aotgrad_eager') with static dense sizes (the default: "
-                "Dynamo makes the ragged size symbolic). Call it through torch.compile without dynamic=True, "
-                "or pass its values() and offsets() instead."
+                f"aotgrad: input {i} is a jagged NestedTensor with a concrete ragged size (a nested int); "
+                "aotgrad compiles jagged NestedTensors only as torch.compile(backend='aotgrad' or "
+                "'aotgrad_eager') hands them over: ragged size symbolic, dense sizes static. This call is "
+                "aot_function's, or the backend's per-shape fallback after the symbolic compile failed "
+                "(under dynamic=True, or an op the symbolic trace does not support: the aotgrad.backend "
+                "debug log says which). Call it eagerly, or pass its values() and offsets() instead."
             )
