@@ -90,7 +90,7 @@ BACKENDS = ["aotgrad_eager", pytest.param("aotgrad", marks=pytest.mark.long)]
 
 
 def _backend(name):
-    return getattr(aotgrad, name)
+    return torch._dynamo.lookup_backend(name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -107,7 +107,7 @@ def test_without_dynamic_each_size_is_its_own_graph():
 
 @pytest.mark.long
 def test_dynamic_inductor():
-    graphs, retraces = check_sizes(_program, _inputs, (3, 5, 7), backend=aotgrad.aotgrad, dynamic=True)
+    graphs, retraces = check_sizes(_program, _inputs, (3, 5, 7), backend=torch._dynamo.lookup_backend("aotgrad"), dynamic=True)
     assert graphs == 1 and retraces == 0
 
 

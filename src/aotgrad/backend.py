@@ -322,7 +322,7 @@ class AotgradBackend:
                     if _must_propagate(e):
                         raise
                     log.debug("aotgrad backend: symbolic compile failed (%s: %s); compiling per shape",
-                              type(e).__name__, e, exc_info=True)
+                              type(e).__name__, e)
                     run = None
                 if run is not None and _plan_needs_concrete_sizes(run.plan):
                     log.debug("aotgrad backend: the run-time plan needs concrete sizes; compiling per shape")

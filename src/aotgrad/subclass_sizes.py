@@ -108,8 +108,7 @@ def sizes_match(shape: Sequence, outer: Sequence) -> bool:
     return len(shape) == len(outer) and all(o == -1 or s == o for s, o in zip(shape, outer))
 
 
-def metadata_tensors(plains: Sequence[torch.Tensor]) -> list | None:
-    """Per plain inner tensor, itself where it is integer metadata (a NestedTensor's offsets: never
-    differentiable, and its identity carries the nested int), else None; None when there is none."""
-    kept = [None if p.is_floating_point() or p.is_complex() else p for p in plains]
-    return None if all(k is None for k in kept) else kept
+def integer_positions(plains: Sequence[torch.Tensor]) -> frozenset:
+    """Positions of integer inner tensors (a NestedTensor's offsets): metadata, never differentiable,
+    whose identity carries the nested int; passed as they are and reused for the gradient."""
+    return frozenset(k for k, p in enumerate(plains) if not (p.is_floating_point() or p.is_complex()))

@@ -42,7 +42,7 @@ from .errors import (
 from .plan import FromLeaf, ViewChain
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
 from .subclass_runtime import build_run
-from .subclass_sizes import metadata_tensors, sizes_match
+from .subclass_sizes import integer_positions, sizes_match
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -134,10 +134,13 @@ class _Unwrap(torch.autograd.Function):
         flatten(t, site.layout, plains)
         # aliases: the caller's inner tensors keep their autograd state; integer ones (a NestedTensor's
         # offsets) are passed as they are and make the gradient's (its nested int is eager's)
-        ctx.kept_inner = metadata_tensors(plains)
-        if ctx.kept_inner is None:
+        integer = site.__dict__.get("integer_inner")  # per site: dtypes are in the signature
+        if integer is None:
+            integer = site.integer_inner = integer_positions(plains)
+        if not integer:
             return tuple(p.detach() for p in plains)
-        return tuple(p if m is not None else p.detach() for p, m in zip(plains, ctx.kept_inner))
+        ctx.kept_inner = [p if k in integer else None for k, p in enumerate(plains)]
+        return tuple(p if k in integer else p.detach() for k, p in enumerate(plains))
 
     @staticmethod
     def backward(ctx, *grads):
