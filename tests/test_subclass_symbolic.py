@@ -147,3 +147,52 @@ def test_specialize_replaces_every_symint():
     env.update({s.node.expr: 4 for s in lay.outer_stride if isinstance(s, torch.SymInt)})
     out = specialize(lay, env)
     assert not out.symbolic and all(type(v) is int for v in (*out.outer_size, *out.outer_stride))
+
+
+# ---------------------------------------------------------------------------------------------
+# aot_function(dynamic=True)
+
+
+def _aot_check(compiled, fn, eager_in):
+    ours_in = [_clone(x) for x in eager_in]
+    expected, got = fn(*eager_in), compiled(*ours_in)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert_same(g, e, f"output {i}")
+    torch.autograd.backward([o.sum() for o in expected if o.requires_grad])
+    torch.autograd.backward([o.sum() for o in got if o.requires_grad])
+    for i, (x, y) in enumerate(zip(ours_in, eager_in)):
+        assert_same(x, y, f"input {i} after the call")
+        if y.requires_grad:
+            assert_same(x.grad, y.grad, f"grad of input {i}")
+
+
+def test_aot_function_dynamic_one_trace_serves_several_sizes():
+    def f(x, y):
+        return (x * 2).sin() + y, x.view(-1), x.sum()
+
+    compiled = aotgrad.aot_function(f, aotgrad.compilers.nop, dynamic=True)
+    for k, n in enumerate((3, 5, 7)):
+        _aot_check(compiled, f, [two(n, 4), torch.randn(n, 4, requires_grad=True)])
+        if k == 0:
+            after_first = _captures()
+    assert _captures() == after_first and len(compiled.symbolic) == 1
+
+
+def test_aot_function_dynamic_guard_keeps_nesting_and_inner_aliasing_apart():
+    """The symbolic entry's guard checks the subclass's type, nesting, inner tensors and their
+    aliasing: another nesting, or a TwoTensor whose two inner tensors are one, compiles again."""
+    def f(x):
+        return x * 2 + 1
+
+    compiled = aotgrad.aot_function(f, aotgrad.compilers.nop, dynamic=True)
+    _aot_check(compiled, f, [two(3, 4)])
+    entries = len(compiled.symbolic) + len(compiled.cache)
+    _aot_check(compiled, f, [nested(5, 4)])
+    assert len(compiled.symbolic) + len(compiled.cache) > entries
+    entries = len(compiled.symbolic) + len(compiled.cache)
+    a = torch.randn(6, 4)
+    shared = TwoTensor(a, a)
+    assert not compiled.symbolic[-1][1]([shared])  # the first entry's guard refuses it
+    out = compiled(shared)
+    assert_same(out, f(TwoTensor(a.clone(), a.clone())), "output with one inner tensor twice")
+    assert len(compiled.symbolic) + len(compiled.cache) > entries

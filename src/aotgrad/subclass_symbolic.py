@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedOutputError
-from .subclass_layout import Opaque, SubclassLayout, flatten
+from .subclass_layout import (
+    Opaque,
+    SubclassLayout,
+    flatten,
+    guard_conditions,
+    is_subclass,
+    with_inner_tensors,
+)
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -215,3 +222,70 @@ def runner(boundary, leaves: Sequence[Any], run_plain: Callable, mutated: list[i
     reader = _reader([exprs[s] for s in names], len(boundary.layouts))
     return SymbolicRun(boundary, lambda b: b.runner(run_plain, mutated), names, reader)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# aot_function(dynamic=True): subclass arguments in a ShapeEnv of aotgrad's own (dynamic_shapes.py)
+
+
+def symbolic_ok(x: torch.Tensor) -> bool:
+    """A subclass argument `aot_function(dynamic=True)` traces with symbolic sizes: a traceable
+    wrapper subclass, not a jagged NestedTensor (whose ragged size needs Dynamo's symbol)."""
+    return is_subclass(x) and not x.is_nested
+
+
+def guard_contexts(placeholders: Sequence[Any]) -> list | None:
+    """`ShapeEnv.produce_guards`' input contexts: a SubclassSymbolicContext (nested as the subclass
+    is) for each subclass placeholder, None (the default) for the others; None without subclasses."""
+    if not any(is_subclass(t) for t in placeholders):
+        return None
+    return [_context(t) if is_subclass(t) else None for t in placeholders]
+
+
+def _context(t: torch.Tensor):
+    from torch._dynamo.source import (
+        LocalSource,  # required by the context; produce_guards uses its own sources
+    )
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        StatelessSymbolicContext,
+        SubclassSymbolicContext,
+    )
+
+    def stateless(x):
+        return StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * x.dim(),
+                                        dynamic_strides=[DimDynamic.INFER_STRIDE] * x.dim(),
+                                        constraint_sizes=[None] * x.dim(), constraint_strides=[None] * x.dim())
+
+    attrs, _ = t.__tensor_flatten__()
+    inner = {a: _context(getattr(t, a)) if is_subclass(getattr(t, a)) else stateless(getattr(t, a))
+             for a in attrs if isinstance(getattr(t, a), torch.Tensor)}
+    return SubclassSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim(),
+                                   dynamic_strides=[DimDynamic.INFER_STRIDE] * t.dim(),
+                                   constraint_sizes=[None] * t.dim(), constraint_strides=[None] * t.dim(),
+                                   inner_contexts=inner, tensor_source=LocalSource("_subclass"))
+
+
+def structure_conditions(fake: torch.Tensor, v: str, scope: dict) -> list[str]:
+    """Guard conditions that argument `v` is a subclass of `fake`'s type, flatten context and
+    nesting, over inner tensors of its dtypes, devices, requires_grad, ranks and static sizes, none
+    sharing memory with another (the symbolic sizes are the ShapeEnv's guards)."""
+    from .inputs import alias_key
+
+    scope["_inner_alias_key"] = lambda t: alias_key(with_inner_tensors([t]))
+    return [*guard_conditions(fake, v, scope, _inner_conditions), f"not _inner_alias_key({v})"]
+
+
+def _inner_conditions(t: torch.Tensor, e: str, scope: dict) -> list[str]:
+    n = len(scope)
+    scope[f"_SD{n}"], scope[f"_SDEV{n}"] = t.dtype, t.device
+    conds = [f"type({e}) in _PLAIN", f"{e}.dtype is _SD{n}", f"{e}.device == _SDEV{n}",
+             f"{e}.requires_grad is {t.requires_grad}", f"{e}.layout is torch.strided", f"{e}.dim() == {t.dim()}"]
+    for what, values in (("size", t.shape), ("stride", t.stride())):
+        for d, s in enumerate(values):
+            if isinstance(s, int) or s.node.expr.is_number:
+                conds.append(f"{e}.{what}({d}) == {int(s)}")
+    offset = t.storage_offset()
+    if isinstance(offset, int) or offset.node.expr.is_number:
+        conds.append(f"{e}.storage_offset() == {int(offset)}")
+    return conds
