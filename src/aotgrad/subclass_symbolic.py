@@ -200,15 +200,16 @@ def _reader(exprs: list[str], n: int) -> Callable:
     return read
 
 
-def runner(boundary, leaves: Sequence[Any], run_plain: Callable, mutated: list[int]) -> Callable:
-    """`boundary.runner(run_plain, mutated)`, or, where the boundary holds SymInts, a `SymbolicRun`
-    over it. Refuses (an `AotgradError` naming the output) a symbol the run time cannot read off
-    the caller's arguments; the backend then compiles per shape."""
-    if not has_symbolic(boundary.sites) and not has_symbolic(boundary.spread) \
-            and not has_symbolic(boundary.outputs) and not has_symbolic(boundary.layouts):
-        return boundary.runner(run_plain, mutated)
+def runner(boundary, leaves: Sequence[Any], build: Callable) -> Callable:
+    """`build(boundary)` (the boundary's generated run), or, where the boundary holds SymInts, a
+    `SymbolicRun` calling `build` on the boundary specialized per shape. Refuses (an `AotgradError`
+    naming the output) a symbol the run time cannot read off the caller's arguments; the backend
+    then compiles per shape."""
+    parts = [boundary.sites, boundary.spread, boundary.outputs, boundary.layouts]
+    if not has_symbolic(parts):
+        return build(boundary)
     exprs = symbol_exprs(leaves, boundary.layouts)
-    needed = symbols_of([boundary.sites, boundary.spread, boundary.outputs, boundary.layouts])
+    needed = symbols_of(parts)
     missing = needed - exprs.keys()
     if missing:
         where = next((f"output {k}" for k, o in enumerate(boundary.outputs) if symbols_of(o) & missing), "an input")
@@ -218,10 +219,8 @@ def runner(boundary, leaves: Sequence[Any], run_plain: Callable, mutated: list[i
         )
     names = sorted(needed, key=str)
     if not names:  # only nested ints: one generated run serves every call
-        return specialize(boundary, {}).runner(run_plain, mutated)
-    reader = _reader([exprs[s] for s in names], len(boundary.layouts))
-    return SymbolicRun(boundary, lambda b: b.runner(run_plain, mutated), names, reader)
-
+        return build(specialize(boundary, {}))
+    return SymbolicRun(boundary, build, names, _reader([exprs[s] for s in names], len(boundary.layouts)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -547,7 +547,8 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
     boundary.refuse_grad_mutations(leaves, mutated)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
-    run = subclass_symbolic.runner(boundary, leaves, run_plain, mutated)  # per shape where sizes are symbolic
+    # generated per shape where the boundary's sizes are symbolic (subclass_symbolic.py)
+    run = subclass_symbolic.runner(boundary, leaves, lambda b: b.runner(run_plain, mutated))
     run.plan = run_plain.plan
     run.compiled = run_plain.compiled
     run.boundary = boundary
