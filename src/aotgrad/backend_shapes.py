@@ -18,6 +18,7 @@ from .api import AOTConfig, CompiledFunction, _plan_depends_on_aliasing, compile
 from .backend_context import _describe_failure, _must_propagate
 from .dynamic_shapes import context_fake_mode as _context_fake_mode
 from .dynamic_shapes import free_symbols as _free_symbols
+from .subclass_layout import is_subclass, with_inner_tensors
 
 
 class _PerShape:
@@ -84,13 +85,18 @@ def _anchor_positions(leaves: list) -> list[int]:
     import sympy
 
     known: set = set()
-    for x in leaves:
+    # with subclasses, the graphs' inputs are their plain inner tensors, and Inductor reads a symbol
+    # only off a size that is the bare symbol (a NestedTensor's offsets have size B + 1)
+    subclasses = any(is_subclass(x) for x in leaves)
+    for x in with_inner_tensors(leaves) if subclasses else leaves:
         if isinstance(x, torch.Tensor):
             for v in (*x.shape, *x.stride(), x.storage_offset()):
-                known |= _free_symbols(v)
+                if not subclasses or (isinstance(v, torch.SymInt) and v.node.expr.is_Symbol):
+                    known |= _free_symbols(v)
     out = []
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol) and x.node.expr not in known:
+        if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol) and x.node.expr not in known \
+                and not x.node.is_nested_int():  # a ragged size: no tensor can have it as a size
             known.add(x.node.expr)
             out.append(i)
     return out
@@ -118,6 +124,6 @@ def _concrete(example_inputs: list) -> list:
     for x in example_inputs:
         if isinstance(x, torch.SymInt):
             hint = x.node.hint
-            x = int(hint) if hint is not None else x
+            x = x if hint is None else hint if isinstance(hint, torch.SymInt) else int(hint)  # a nested int stays
         out.append(x)
     return out

@@ -33,10 +33,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from . import guards
+from . import guards, subclass_symbolic
 from .ambient import any_autocast, autocast_key
 from .inputs import alias_key, is_wrapper
 from .plan import symbols_in
+from .subclass_layout import is_subclass, with_inner_tensors
 
 log = logging.getLogger("aotgrad.dynamic_shapes")
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
@@ -162,7 +163,8 @@ def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0) -> list | None:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if not tensors or alias_key(leaves) or any(is_wrapper(x) or x.layout is not torch.strided for x in tensors):
+    if not tensors or alias_key(with_inner_tensors(leaves)) or any(
+            (is_wrapper(x) and not subclass_symbolic.symbolic_ok(x)) or x.layout is not torch.strided for x in tensors):
         return None
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     out = []
@@ -287,6 +289,8 @@ def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool)
                       f"{v}.layout is torch.strided", f"{v}.dim() == {x.dim()}"]
             if check_aliasing:
                 conds.append(f"{v}.is_leaf is {x.is_leaf}")
+            if is_subclass(x):  # its type, context, nesting, inner tensors (subclass_symbolic.py)
+                conds += subclass_symbolic.structure_conditions(x, v, scope)
         elif isinstance(x, torch.SymInt):
             conds.append(f"type({v}) is int")
         else:
@@ -354,7 +358,7 @@ def _shape_condition(fakes: Sequence[Any], scope: dict) -> str | None:
     mine = _tensor_symbols(placeholders) | set().union(*(free_symbols(x) for x in placeholders))
     pruned = [g for g in env.guards if g.expr.free_symbols <= mine]
     exprs = env.produce_guards(placeholders, [LocalSource(f"t{i}") for i in positions], guards=pruned,
-                               ignore_static=True)
+                               ignore_static=True, input_contexts=subclass_symbolic.guard_contexts(placeholders))
     if not exprs:
         return None
     scope.update(SYMPY_INTERP)

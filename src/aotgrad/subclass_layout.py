@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .errors import AotgradError, UnsupportedOutputError
+from .subclass_sizes import tie_ragged, traced_outer
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class SubclassLayout:
     outer_size: tuple
     outer_stride: tuple
     num_plain: int
+    symbolic: bool = False  # SymInts in the outer size or stride (subclass_symbolic.py)
 
     def describe(self) -> str:
         kids = ", ".join(f"{a}={_describe(k)}" for a, k in zip(self.attrs, self.inner))
@@ -100,6 +102,8 @@ def refuse_subclass_tangent(g: torch.Tensor, i: int) -> None:
 
 
 def _ctx_key(ctx: Any) -> Any:
+    if isinstance(ctx, dict) and "requires_grad" in ctx:  # autograd state (a NestedTensor's), not structure
+        ctx = {k: v for k, v in ctx.items() if k != "requires_grad"}
     try:
         hash(ctx)
     except TypeError:
@@ -114,7 +118,9 @@ def layout_of(t: torch.Tensor) -> SubclassLayout | None:
     attrs, ctx = t.__tensor_flatten__()
     inner = tuple(_inner_layout(getattr(t, a)) for a in attrs)
     n = sum(_num_plain(k) for k in inner)
-    return SubclassLayout(type(t), ctx, _ctx_key(ctx), tuple(attrs), inner, tuple(t.shape), tuple(t.stride()), n)
+    size, stride = tuple(t.shape), tuple(t.stride())
+    symbolic = any(isinstance(v, torch.SymInt) for v in (*size, *stride))
+    return SubclassLayout(type(t), ctx, _ctx_key(ctx), tuple(attrs), inner, size, stride, n, symbolic)
 
 
 def flatten(t: torch.Tensor, layout: SubclassLayout, out: list) -> None:
@@ -144,7 +150,11 @@ def rebuild(layout: SubclassLayout, plains: Sequence[torch.Tensor], pos: int = 0
         else:
             inner[a] = rebuild(k, plains, pos)
             pos += k.num_plain
-    return layout.cls.__tensor_unflatten__(inner, layout.ctx, layout.outer_size, layout.outer_stride)
+    size, stride = layout.outer_size, layout.outer_stride
+    if layout.symbolic:  # in a trace: in terms of the inner tensors' tracked SymInts
+        size, stride = traced_outer(size, stride, plains[pos - layout.num_plain:pos])
+        tie_ragged(layout.cls, inner, layout.ctx, size)
+    return layout.cls.__tensor_unflatten__(inner, layout.ctx, size, stride)
 
 
 def same_structure(a: SubclassLayout | None, b: SubclassLayout | None) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import analysis
+from . import analysis, nested_jagged, subclass_symbolic
 from .errors import (
     AotgradError,
     InplaceOnLeafError,
@@ -42,6 +42,7 @@ from .errors import (
 from .plan import FromLeaf, ViewChain
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
 from .subclass_runtime import build_run
+from .subclass_sizes import integer_positions, sizes_match
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -79,7 +80,7 @@ class _Site:
                     "argument's inner tensors. Pass the inner tensors as separate inputs."
                 )
             self.grad_layout = got
-        elif not same_structure(got, self.layout) or tuple(grad.shape) != self.layout.outer_size:
+        elif not same_structure(got, self.layout) or not sizes_match(grad.shape, self.layout.outer_size):
             grad, got = self._coerce(grad, got)
         out: list = []
         flatten(grad, got, out)
@@ -116,7 +117,9 @@ class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
         ctx.site = site
-        return rebuild(site.layout, [p.detach() for p in plains])
+        # inner tensors without grad kept as they are: a NestedTensor output then shares its
+        # argument's offsets, hence its nested int, as in eager
+        return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
 
     @staticmethod
     def backward(ctx, grad):
@@ -129,10 +132,21 @@ class _Unwrap(torch.autograd.Function):
         ctx.site = site
         plains: list = []
         flatten(t, site.layout, plains)
-        return tuple(p.detach() for p in plains)  # aliases: the caller's inner tensors keep their autograd state
+        # aliases: the caller's inner tensors keep their autograd state; integer ones (a NestedTensor's
+        # offsets) are passed as they are and make the gradient's (its nested int is eager's)
+        integer = site.__dict__.get("integer_inner")  # per site: dtypes are in the signature
+        if integer is None:
+            integer = site.integer_inner = integer_positions(plains)
+        if not integer:
+            return tuple(p.detach() for p in plains)
+        ctx.kept_inner = [p if k in integer else None for k, p in enumerate(plains)]
+        return tuple(p if k in integer else p.detach() for k, p in enumerate(plains))
 
     @staticmethod
     def backward(ctx, *grads):
+        kept = getattr(ctx, "kept_inner", None)
+        if kept is not None:
+            grads = [g if m is None else m for g, m in zip(grads, kept)]
         return None, ctx.site.rebuild_grad(grads)
 
 
@@ -336,7 +350,6 @@ class Boundary:
                 self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
             else:
                 site = _Site(layout_of(o), f"output {k}")
-                _refuse_symbolic(site.layout, k)
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
                 self.outputs[k] = SubclassOut(site, len(plain), differentiable)
                 if differentiable:
@@ -409,21 +422,11 @@ class Boundary:
         return build_run(self, run_plain, mutated, fns)
 
 
-def _refuse_symbolic(layout: SubclassLayout, k: int) -> None:
-    """The run time rebuilds a subclass output with the traced outer size and stride."""
-    sizes = [*layout.outer_size, *layout.outer_stride]
-    if any(isinstance(v, torch.SymInt) for v in sizes):
-        raise UnsupportedOutputError(
-            f"aotgrad: output {k} is a {layout.describe()} of symbolic size {tuple(layout.outer_size)}; "
-            "rebuilding subclass outputs of symbolic size is not supported yet. Mark the inputs static."
-        )
-
-
 def _refuse_nested(x: Any, name: str) -> None:
-    if isinstance(x, torch.Tensor) and x.is_nested:
+    if isinstance(x, torch.Tensor) and x.is_nested and x.layout is not torch.jagged:  # jagged: nested_jagged.py
         raise UnsupportedInputError(
-            f"aotgrad: {name} is a jagged NestedTensor; its ragged size is symbolic, which aot_function's "
-            "flattening of subclasses does not support yet. Pass its values() and offsets() instead."
+            f"aotgrad: {name} is a NestedTensor of layout {x.layout}; only jagged NestedTensors "
+            "(layout=torch.jagged) are supported. Build it with layout=torch.jagged."
         )
 
 
@@ -526,6 +529,7 @@ def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
 def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: Callable) -> Callable:
     """Compile a call with subclass arguments: the plain pipeline over their inner tensors, with the
     boundary's prologue/epilogue around its run time."""
+    nested_jagged.refuse_static(leaves)
     spread: dict[int, SubclassLayout] = {}
     while True:
         boundary = Boundary.of(leaves, spec, spread)
@@ -543,7 +547,8 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
     boundary.refuse_grad_mutations(leaves, mutated)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
-    run = boundary.runner(run_plain, mutated)
+    # generated per shape where the boundary's sizes are symbolic (subclass_symbolic.py)
+    run = subclass_symbolic.runner(boundary, leaves, lambda b: b.runner(run_plain, mutated))
     run.plan = run_plain.plan
     run.compiled = run_plain.compiled
     run.boundary = boundary
