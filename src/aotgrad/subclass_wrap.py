@@ -40,8 +40,16 @@ from .errors import (
     UnsupportedOutputError,
 )
 from .plan import FromLeaf, ViewChain
-from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
-from .subclass_runtime import build_run
+from .subclass_layout import (
+    SubclassLayout,
+    flatten,
+    is_subclass,
+    layout_of,
+    plain_tensors,
+    rebuild,
+    same_structure,
+)
+from .subclass_runtime import build_fused_run, build_run, fusable
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -397,13 +405,19 @@ class Boundary:
                     "first, or mutate a tensor that does not require grad."
                 )
 
-    def runner(self, run_plain: Callable, mutated: list[int]) -> Callable:
-        """The run time around the compiled plain function."""
+    def runner(self, run_plain: Callable, mutated: list[int], examples: Sequence[Any] = (),
+               inner_requires_grad: bool = True) -> Callable:
+        """The run time around the compiled plain function: one autograd.Function for the whole call
+        where the call allows it (subclass_runtime.build_fused_run), else one per crossing."""
         for site in (*self.sites.values(), *self.spread.values()):
             site.tracing = False
         for o in self.outputs:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
+        if fusable(self, run_plain, mutated, inner_requires_grad):
+            run = build_fused_run(self, run_plain, _fast_apply, examples)
+            if run is not None:
+                return run
         fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
                "replay": _replay}
         return build_run(self, run_plain, mutated, fns)
@@ -543,7 +557,8 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
     boundary.refuse_grad_mutations(leaves, mutated)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
-    run = boundary.runner(run_plain, mutated)
+    inner_requires_grad = any(p.requires_grad for i in boundary.sites for p in plain_tensors(leaves[i]))
+    run = boundary.runner(run_plain, mutated, plain_leaves, inner_requires_grad)
     run.plan = run_plain.plan
     run.compiled = run_plain.compiled
     run.boundary = boundary
