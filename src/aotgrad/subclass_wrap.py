@@ -49,6 +49,7 @@ from .subclass_layout import (
     rebuild,
     same_structure,
 )
+from .subclass_graphs import with_folded_detaches
 from .subclass_runtime import build_fused_run, build_run, fusable
 
 log = logging.getLogger("aotgrad.subclass")
@@ -546,6 +547,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
         plain_leaves = boundary.plain_leaves(leaves)
         plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
         plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
+        plain_config = with_folded_detaches(plain_config)  # the boundary's own detaches (subclass_graphs.py)
         try:
             run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
             break
