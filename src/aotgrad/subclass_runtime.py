@@ -140,11 +140,18 @@ def fusable(boundary, run_plain: Callable, mutated: Sequence[int], inner_require
     return (
         torch.is_grad_enabled() and not mutated and not boundary.spread and not inner_requires_grad
         and all(boundary.first.get(i, i) == i for i in range(len(boundary.layouts)))
-        and all(type(o).__name__ == "PlainOut" or (type(o).__name__ == "SubclassOut" and o.requires_grad)
-                for o in boundary.outputs)
+        and all(type(o).__name__ in ("PlainOut", "SubclassOut") for o in boundary.outputs)
         and len(boundary.outputs) == boundary.num_user
         and _fusable_plain(run_plain)
+        and all(_without_gradient(o, run_plain.plan) for o in boundary.outputs
+                if type(o).__name__ == "SubclassOut" and not o.requires_grad)
     )
+
+
+def _without_gradient(o, plan) -> bool:
+    """A subclass output eager gives no gradient whose plain values get none either (else it is a
+    leaf requiring grad, which the general run rebuilds as such)."""
+    return not any(plan.fw_outputs[o.start + j].differentiable for j in range(o.site.layout.num_plain))
 
 
 def _refuse_double_backward(*_):
@@ -183,17 +190,24 @@ def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, example
         plain += [f"l{i}"] if layout is None else _attr_paths(layout, f"l{i}")
     primals = [plain[s.leaf] for s in plan.layout.primal_sources]
     fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
-    outs, grads = [], []
+    outs, grads, nondiff = [], [], []
     for k, o in enumerate(boundary.outputs):
         if type(o).__name__ == "PlainOut":
             outs.append(f"outs[{o.position}]")
             grads.append(f"g{k}, ")
-        else:
-            m = o.site.layout.num_plain
-            outs.append(_rebuild_src(fw, o.site.layout, [f"outs[{o.start + j}]" for j in range(m)]))
+            continue
+        m = o.site.layout.num_plain
+        fw.emit(f"o{k} = {_rebuild_src(fw, o.site.layout, [f'outs[{o.start + j}]' for j in range(m)])}")
+        outs.append(f"o{k}")
+        nones = "None, " * m
+        if o.requires_grad:
             flat = bw.bind("flatten_grad", o.site.flatten_grad)
-            nones = "(" + "None, " * m + ")"
-            grads.append(f"*({flat}(g{k}) if g{k} is not None else {nones}), ")
+            grads.append(f"*({flat}(g{k}) if g{k} is not None else ({nones})), ")
+        else:  # a subclass output without gradient (as eager's): its plain values get none either
+            nondiff.append(f"o{k}")
+            grads.append(nones)
+    if nondiff:  # beside the plain forward's own (ctx.mark_non_differentiable replaces the set)
+        fw.emit(f"ctx.mark_non_differentiable(*getattr(ctx, 'non_differentiable', ()), {', '.join(nondiff)})")
     fw.emit(f"return {''.join(['('] + [f'{x}, ' for x in outs] + [')'])}")
     forward = fw.build("forward", f"def forward(ctx, {''.join(f'{x}, ' for x in leaves)}):")
     bw.emit(f"if {bw.bind('grad_enabled', torch.is_grad_enabled)}():")

@@ -40,16 +40,8 @@ from .errors import (
     UnsupportedOutputError,
 )
 from .plan import FromLeaf, ViewChain
-from .subclass_layout import (
-    SubclassLayout,
-    flatten,
-    is_subclass,
-    layout_of,
-    plain_tensors,
-    rebuild,
-    same_structure,
-)
 from .subclass_graphs import with_folded_detaches
+from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
 from .subclass_runtime import build_fused_run, build_run, fusable
 
 log = logging.getLogger("aotgrad.subclass")
@@ -559,7 +551,10 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
     boundary.refuse_grad_mutations(leaves, mutated)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
-    inner_requires_grad = any(p.requires_grad for i in boundary.sites for p in plain_tensors(leaves[i]))
+    inner: list = []
+    for i in boundary.sites:
+        flatten(leaves[i], boundary.layouts[i], inner)
+    inner_requires_grad = any(p.requires_grad for p in inner)
     run = boundary.runner(run_plain, mutated, plain_leaves, inner_requires_grad)
     run.plan = run_plain.plan
     run.compiled = run_plain.compiled

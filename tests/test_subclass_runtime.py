@@ -1,0 +1,141 @@
+"""The subclass stage's run time (issue 27, item 10): one autograd.Function per call where the call
+allows it (subclass_runtime.build_fused_run), the boundary's detaches folded out of the graphs
+(subclass_graphs.py). Every test compares with eager (test_subclasses.run_both / assert_same)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_subclasses import assert_same, nested, run_both, two
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.two_tensor import TwoTensor
+
+import aotgrad
+from aotgrad.compilers import nop
+from aotgrad.errors import HigherOrderError
+from aotgrad.subclass_graphs import drop_detaches
+
+
+def _source(compiled) -> str:
+    (_, run), = compiled.fast
+    return run.__aotgrad_source__
+
+
+def _fused(compiled) -> bool:
+    src = _source(compiled)
+    return src.count("_apply") == 1 and "_unwrap" not in src and "_wrap" not in src
+
+
+@pytest.mark.parametrize("make", [
+    lambda: [two(3)],
+    lambda: [nested(2, 3)],
+    lambda: [two(3), torch.randn(3), 2],
+    lambda: [two(3, requires_grad=False), two(3), 2],
+])
+def test_one_autograd_function_per_call(make):
+    def f(x, *rest):
+        y = rest[0] if rest else 1.0
+        n = rest[1] if len(rest) > 1 else 0
+        return (x * y).sin() + n, x.cos()
+
+    compiled, _, _ = run_both(f, make)
+    assert _fused(compiled), _source(compiled)
+
+
+def test_plain_outputs_beside_subclass_outputs():
+    compiled, got, _ = run_both(lambda x, y: (x.exp(), y * 2, x.a + y), lambda: [two(3), torch.randn(3, requires_grad=True)])
+    assert _fused(compiled)
+    assert type(got[1]) is torch.Tensor and type(got[2]) is torch.Tensor
+
+
+def test_plain_argument_with_subclass_gradient_takes_the_general_run():
+    compiled, _, _ = run_both(lambda x, y: (x * y).sin(), lambda: [two(3), torch.randn(3, requires_grad=True)])
+    assert not _fused(compiled)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_gradient_left_none_where_eager_leaves_it(which):
+    # each input reaches one output: backward through one leaves the other's .grad None, as eager
+    def f(x, y):
+        return x * 2, y * 3
+
+    def make():
+        return [two(3), torch.randn(3, requires_grad=True)]
+
+    eager_in = make()
+    ours_in = [TwoTensor(eager_in[0].a.clone(), eager_in[0].b.clone()).requires_grad_(),
+               eager_in[1].detach().clone().requires_grad_()]
+    compiled = aotgrad.aot_function(f, nop)
+    expected, got = f(*eager_in), compiled(*ours_in)
+    assert _fused(compiled)
+    expected[which].sum().backward()
+    got[which].sum().backward()
+    for x, y in zip(ours_in, eager_in):
+        assert (x.grad is None) == (y.grad is None)
+        if y.grad is not None:
+            assert_same(x.grad, y.grad, "grad")
+
+
+def test_inner_tensors_requiring_grad_take_the_general_run():
+    def make():
+        return [TwoTensor(torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True))]
+
+    compiled, _, _ = run_both(lambda x: x * 2, make)
+    assert not _fused(compiled)
+
+
+def test_double_backward_refused_by_name():
+    compiled = aotgrad.aot_function(lambda x: (x.sin() * x).sum(), nop)
+    x = two(3)
+    out = compiled(x)
+    assert _fused(compiled)
+    with pytest.raises(HigherOrderError, match="create_graph"):
+        torch.autograd.grad(out, x, create_graph=True)
+
+
+def test_mutation_takes_the_general_run():
+    def f(x, y):
+        y.mul_(2)
+        return x * y
+
+    compiled, _, _ = run_both(f, lambda: [two(3), torch.randn(3)])
+    assert not _fused(compiled)
+
+
+def test_forward_graph_holds_no_boundary_detaches():
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    run_both(lambda x: x.sin(), lambda: [two(3)], compiler=compiler)
+    fw = graphs[0]
+    targets = [n.target for n in fw.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.aten.sin.default] * 2, fw.code
+
+
+def test_returned_detaches_stay_distinct_objects():
+    def f(x):
+        y = x * 2
+        return y, y.detach(), x.detach()
+
+    compiled, got, ins = run_both(f, lambda: [two(3)])
+    assert got[0] is not got[1] and got[0].a is not got[1].a
+    assert got[2].a is not ins[0].a
+    assert got[2].a.untyped_storage().data_ptr() == ins[0].a.untyped_storage().data_ptr()
+
+
+def test_drop_detaches_keeps_output_identity():
+    def f(x):
+        y = x.sin()
+        return y, y.detach(), x.detach(), y.detach().cos()
+
+    gm = make_fx(f)(torch.randn(3))
+    dropped = drop_detaches(gm)
+    out = gm.graph.output_node().args[0]
+    # y.detach() beside y stays (distinct objects), x.detach() of the input stays, the cos reads y
+    assert dropped == 1 and out[1] is not out[0] and out[2].op != "placeholder", gm.code
+    x = torch.randn(3)
+    for a, b in zip(gm(x), f(x)):
+        torch.testing.assert_close(a, b)
