@@ -12,7 +12,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
 from aotgrad.compilers import nop
-from aotgrad.errors import HigherOrderError
+from aotgrad.errors import AotgradError, HigherOrderError
 from aotgrad.subclass_graphs import drop_detaches
 
 
@@ -139,3 +139,84 @@ def test_drop_detaches_keeps_output_identity():
     x = torch.randn(3)
     for a, b in zip(gm(x), f(x)):
         torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 3: in-place ops on a subclass input requiring grad (a non-leaf: eager rebases its history)
+
+
+def _non_leaf_run(fn, nest=False, under_no_grad=False, extra_use=True):
+    """`fn(y)` with `y = x * 2` from a leaf `x`, eagerly and compiled: outputs, `y` after the call
+    (values, grad_fn set, version bumped), and the leaf's gradient through the outputs and `y`."""
+    base = nested(3) if nest else two(3)
+    results = []
+    for run in (fn, aotgrad.aot_function(fn, nop)):
+        x = TwoTensor(base.a.detach().clone(), base.b.detach().clone()).requires_grad_()
+        y = x * 2
+        v = y._version
+        out = run(y)
+        outs = out if isinstance(out, tuple) else (out,)
+        loss = sum(o.sum() for o in outs if o.requires_grad)
+        if extra_use:
+            loss = loss + (y * y).sum()  # y's new history, as eager rebased it
+        loss.backward()
+        results.append((outs, y, y._version - v, x.grad))
+    (eo, ey, ev, eg), (go, gy, gv, gg) = results
+    for a, b in zip(go, eo):
+        assert_same(a, b, "output")
+    assert_same(gy, ey, "input after the call")
+    assert (gy.grad_fn is None) == (ey.grad_fn is None) and gv == ev
+    assert_same(gg, eg, "grad of the leaf")
+
+
+def test_inplace_on_non_leaf_subclass_input_rebases_history():
+    def f(y):
+        y.mul_(3)
+        return y.sin()
+
+    _non_leaf_run(f)
+
+
+def test_inplace_on_non_leaf_input_then_returned():
+    def f(y):
+        y.add_(1)
+        y.mul_(2)
+        return y
+
+    _non_leaf_run(f)
+
+
+def test_inplace_on_nested_non_leaf_input():
+    def f(y):
+        y.mul_(2)
+        return (y * 3).sum()
+
+    _non_leaf_run(f, nest=True)
+
+
+def test_inplace_under_no_grad_keeps_history():
+    def f(y):
+        with torch.no_grad():
+            y.mul_(2)
+        return y * 3
+
+    _non_leaf_run(f)
+
+
+def test_inplace_on_leaf_under_no_grad_like_eager():
+    def f(x):
+        with torch.no_grad():
+            x.mul_(2)
+        return x.sin()
+
+    run_both(f, lambda: [two(3)])
+
+
+def test_inplace_on_subclass_view_requiring_grad_is_refused():
+    def f(y):
+        y.mul_(2)
+        return y + 1
+
+    x = two(4)
+    with pytest.raises(AotgradError, match="input 0.*view"):
+        aotgrad.aot_function(f, nop)((x * 1)[1:])

@@ -30,6 +30,20 @@ from .runtime import _Source, _structure, _unreached_when_none, make_autograd_fu
 from .subclass_layout import Opaque, SubclassLayout
 
 
+class _Rebase(torch.autograd.Function):
+    """`t` written in place in grad mode: its history becomes `new`'s (the rebuilt subclass over
+    the plain inner tensors, whose history the plain run time rebased), as eager's in-place op does."""
+
+    @staticmethod
+    def forward(ctx, t, new):
+        ctx.mark_dirty(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
 def _attr_paths(layout: SubclassLayout, prefix: str) -> list[str]:
     out = []
     for attr, inner in zip(layout.attrs, layout.inner):
@@ -80,6 +94,9 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
         else:
             plain += _attr_paths(layout, f"l{i}")
     src.emit(f"r = {src.bind('plain', run_plain)}([{', '.join(plain)}])")
+    for i, (start, site) in sorted(boundary.rebased_at.items()):  # written in grad mode: as eager's
+        values = ", ".join(f"r[{start + j}]" for j in range(site.layout.num_plain))
+        src.emit(f"{src.bind('rebase', _Rebase.apply)}(l{i}, {src.bind('wrap', wrap)}({src.bind('site', site)}, {values}))")
     outs = boundary.outputs
     rank = {"ViewOut": 1, "ViewOfLeafOut": 1, "SameAs": 2}  # bases, then views of them, then repeats
     for k in sorted(range(len(outs)), key=lambda k: rank.get(type(outs[k]).__name__, 0)):
@@ -103,9 +120,12 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
                 src.emit(f"{set_meta}(o{k}, {src.bind('meta', o.creation_meta)})")
         else:
             src.emit(f"o{k} = o{o.entry}")
-    if mutated:
+    bumped = []  # eager bumps once per in-place op; _Rebase's mark_dirty did one
+    for i in mutated:
+        bumped += [i] * max(boundary.bumps.get(i, 1) - (i in boundary.rebased_at), 0)
+    if bumped:
         bump = src.bind("bump", torch.autograd.graph.increment_version)
-        src.emit(f"{bump}(({''.join(f'l{i}, ' for i in mutated)}))")
+        src.emit(f"{bump}(({''.join(f'l{i}, ' for i in bumped)}))")
     src.emit(f"return {_structure(src, boundary.out_spec, [f'o{k}' for k in range(boundary.num_user)])}")
     return src.build("run", "def run(leaves):")
 

@@ -224,6 +224,10 @@ class Boundary:
     requires_grad: list[bool]  # per caller leaf
     outputs: list = field(default_factory=list)
     bumped: set = field(default_factory=set)  # subclass arguments whose version eager bumps
+    rebased: set = field(default_factory=set)  # subclass arguments written in grad mode (history rebased)
+    rebased_at: dict = field(default_factory=dict)  # rebased argument -> (its new value's plain outputs, site)
+    num_plain_outputs: int = 0
+    bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
     num_user: int = 0
     out_spec: Any = None
 
@@ -301,11 +305,25 @@ class Boundary:
             for i, state in before.items():
                 _check_state(i, self.layouts[i], state, _state(leaves[i]))
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
+            self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
+            # written in grad mode: autograd rebased the argument's history (subclass_runtime._Rebase)
+            self.rebased = {i for i, st in before.items() if st[1] and leaves[i].grad_fn is not st[2]}
             flat, self.out_spec = pytree.tree_flatten(out)
-            return self._flatten_outputs(flat, rebuilt)
+            return self._flatten_outputs(flat, rebuilt) + self._rebased_values(leaves)
 
         fn_plain.__qualname__ = getattr(fn, "__qualname__", "fn") + "[subclasses flattened]"
         return fn_plain
+
+    def _rebased_values(self, leaves: list) -> tuple:
+        """Hidden outputs after the user's: each rebased argument's new value, differentiable (a
+        clone: an alias of the input would be rebuilt as a view, detached)."""
+        values: list = []
+        self.rebased_at = {}
+        for i in sorted(self.rebased):
+            site = _Site(self.layouts[i], f"input {i}")
+            self.rebased_at[i] = (self.num_plain_outputs + len(values), site)
+            values += [p.clone() for p in _Unwrap.apply(site, leaves[i])]
+        return tuple(values)
 
     def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
         """The plain values the graph returns for the user's outputs; `self.outputs` says how each
@@ -347,6 +365,7 @@ class Boundary:
         for k, o in enumerate(self.outputs):  # a view of an input: the caller's subclass is the base
             if isinstance(o, ViewOut) and isinstance(self.outputs[o.base], LeafOut):
                 self.outputs[k] = ViewOfLeafOut(self.outputs[o.base].leaf, o.chain, o.creation_meta)
+        self.num_plain_outputs = len(plain)
         return tuple(plain)
 
     # -- after the trace ----------------------------------------------------------------------
@@ -382,27 +401,27 @@ class Boundary:
         return sorted(mutated | self.bumped)
 
     def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int]) -> None:
-        if not torch.is_grad_enabled():
-            return
-        for i in mutated:
+        """Writes in grad mode into a subclass argument requiring grad: as eager, refused on a leaf;
+        on a non-leaf the run time rebases its history (subclass_runtime._Rebase), not on a view."""
+        for i in sorted(self.rebased):
             x = leaves[i]
-            if x.requires_grad and x.is_leaf:
+            if x.is_leaf:
                 raise InplaceOnLeafError(
                     f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
                     "program modifies it in place; eager refuses that too. Mutate it under torch.no_grad()."
                 )
-            if x.requires_grad:
+            if x._is_view():
                 raise UnsupportedMutationError(
-                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad and the program "
-                    "modifies it in place; aotgrad does not rebase a subclass's autograd history. Clone it "
-                    "first, or mutate a tensor that does not require grad."
+                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) is a view that requires grad "
+                    "and the program modifies it in place; aotgrad does not rebase the history of a subclass "
+                    "view's base. Pass the base, or clone the view first."
                 )
 
     def runner(self, run_plain: Callable, mutated: list[int], examples: Sequence[Any] = (),
                inner_requires_grad: bool = True) -> Callable:
         """The run time around the compiled plain function: one autograd.Function for the whole call
         where the call allows it (subclass_runtime.build_fused_run), else one per crossing."""
-        for site in (*self.sites.values(), *self.spread.values()):
+        for site in (*self.sites.values(), *self.spread.values(), *(s for _, s in self.rebased_at.values())):
             site.tracing = False
         for o in self.outputs:
             if isinstance(o, SubclassOut):
