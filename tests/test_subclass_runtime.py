@@ -220,3 +220,32 @@ def test_inplace_on_subclass_view_requiring_grad_is_refused():
     x = two(4)
     with pytest.raises(AotgradError, match="input 0.*view"):
         aotgrad.aot_function(f, nop)((x * 1)[1:])
+
+
+def test_write_of_value_requiring_grad_into_subclass_input_without_grad():
+    def f(x, w):
+        x.mul_(w)
+        return x * 2
+
+    results = []
+    for run in (f, aotgrad.aot_function(f, nop)):
+        x = TwoTensor(torch.arange(3.0), torch.arange(3.0) + 1)
+        w = torch.tensor([2.0, 3.0, 4.0], requires_grad=True)
+        v = x._version
+        out = run(x, w)
+        (out.sum() + (x * x).sum()).backward()
+        results.append((out, x, x._version - v, w.grad))
+    (eo, ex, ev, ew), (go, gx, gv, gw) = results
+    assert_same(go, eo, "output")
+    assert_same(gx, ex, "input after the call")
+    assert gx.requires_grad and gv == ev
+    assert_same(gw, ew, "grad of w")
+
+
+def test_requires_grad_on_subclass_input_still_refused():
+    def f(x):
+        x.requires_grad_()
+        return x * 2
+
+    with pytest.raises(AotgradError, match="input 0"):
+        aotgrad.aot_function(f, nop)(two(3, requires_grad=False))

@@ -307,7 +307,7 @@ class Boundary:
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
             self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
             # written in grad mode: autograd rebased the argument's history (subclass_runtime._Rebase)
-            self.rebased = {i for i, st in before.items() if st[1] and leaves[i].grad_fn is not st[2]}
+            self.rebased = {i for i, st in before.items() if _rebased(st, _state(leaves[i]))}
             flat, self.out_spec = pytree.tree_flatten(out)
             return self._flatten_outputs(flat, rebuilt) + self._rebased_values(leaves)
 
@@ -405,7 +405,7 @@ class Boundary:
         on a non-leaf the run time rebases its history (subclass_runtime._Rebase), not on a view."""
         for i in sorted(self.rebased):
             x = leaves[i]
-            if x.is_leaf:
+            if x.is_leaf and x.requires_grad:
                 raise InplaceOnLeafError(
                     f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
                     "program modifies it in place; eager refuses that too. Mutate it under torch.no_grad()."
@@ -479,6 +479,12 @@ def _state(t: torch.Tensor) -> tuple:
     return _metadata(t), t.requires_grad, t.grad_fn
 
 
+def _rebased(before: tuple, after: tuple) -> bool:
+    """Whether an in-place op in grad mode gave the argument a new history (requires_grad after it,
+    a grad_fn of its own), as eager's write of a value requiring grad does."""
+    return after[1] and after[2] is not None and after[2] is not before[2]
+
+
 def _check_state(i: int, layout: SubclassLayout, before: tuple, after: tuple) -> None:
     """Refuse what the program did to subclass input `i` that the flattened run time cannot replay on
     the caller's subclass: metadata changed in place, autograd state changed (a write of a value
@@ -486,8 +492,10 @@ def _check_state(i: int, layout: SubclassLayout, before: tuple, after: tuple) ->
     what = None
     if after[0] != before[0]:
         what = "changes the metadata of", "(t_(), transpose_(), as_strided_()...)"
+    elif _rebased(before, after):  # a write in grad mode: replayed (subclass_runtime._Rebase)
+        return
     elif after[1] != before[1] or (after[2] is not before[2] and not before[1]):
-        what = "changes the autograd state of", "(detach_(), requires_grad_(), a write of a value requiring grad)"
+        what = "changes the autograd state of", "(detach_(), requires_grad_())"
     if what is not None:
         raise UnsupportedMutationError(
             f"aotgrad: the program {what[0]} subclass input {i} ({layout.describe()}) in place {what[1]}; aotgrad "
