@@ -159,6 +159,7 @@ def fusable(boundary, run_plain: Callable, mutated: Sequence[int], inner_require
     """Whether `build_fused_run` can serve this signature; else the general run (`build_run`)."""
     return (
         torch.is_grad_enabled() and not mutated and not boundary.spread and not inner_requires_grad
+        and not boundary.rebased_at
         and all(boundary.first.get(i, i) == i for i in range(len(boundary.layouts)))
         and all(type(o).__name__ in ("PlainOut", "SubclassOut") for o in boundary.outputs)
         and len(boundary.outputs) == boundary.num_user
