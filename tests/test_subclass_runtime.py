@@ -93,6 +93,15 @@ def test_double_backward_refused_by_name():
         torch.autograd.grad(out, x, create_graph=True)
 
 
+def test_double_backward_refused_by_name_on_the_general_run():
+    compiled = aotgrad.aot_function(lambda x, y: ((x * y).sin() * x).sum(), nop)
+    x, y = two(2), torch.randn(2, requires_grad=True)  # y's gradient is a TwoTensor: the general run
+    out = compiled(x, y)
+    assert not _fused(compiled)
+    with pytest.raises(HigherOrderError, match="create_graph"):
+        torch.autograd.grad(out, (x, y), create_graph=True)
+
+
 def test_mutation_takes_the_general_run():
     def f(x, y):
         y.mul_(2)

@@ -175,7 +175,7 @@ def _without_gradient(o, plan) -> bool:
     return not any(plan.fw_outputs[o.start + j].differentiable for j in range(o.site.layout.num_plain))
 
 
-def _refuse_double_backward(*_):
+def refuse_double_backward(*_):
     raise HigherOrderError(
         "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled function "
         "with tensor subclass arguments or outputs: not supported. Run it eagerly where you need "
@@ -232,7 +232,7 @@ def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, example
     fw.emit(f"return {''.join(['('] + [f'{x}, ' for x in outs] + [')'])}")
     forward = fw.build("forward", f"def forward(ctx, {''.join(f'{x}, ' for x in leaves)}):")
     bw.emit(f"if {bw.bind('grad_enabled', torch.is_grad_enabled)}():")
-    bw.emit(f"{bw.bind('refuse', _refuse_double_backward)}()", 2)
+    bw.emit(f"{bw.bind('refuse', refuse_double_backward)}()", 2)
     order = sorted(range(len(boundary.outputs)), key=lambda k: _plain_start(boundary.outputs[k]))
     bw.emit(f"gs = {bw.bind('plain_bw', plain_fn.backward)}(ctx, {''.join(grads[k] for k in order)})")
     primal_of = {s.leaf: k for k, s in enumerate(plan.layout.primal_sources)}

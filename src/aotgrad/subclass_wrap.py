@@ -42,7 +42,7 @@ from .errors import (
 from .plan import FromLeaf, ViewChain
 from .subclass_graphs import with_folded_detaches
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
-from .subclass_runtime import build_fused_run, build_run, fusable
+from .subclass_runtime import build_fused_run, build_run, fusable, refuse_double_backward
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -113,6 +113,13 @@ class _Site:
         return rebuild(layout, grads)
 
 
+def _refuse_double_backward(site: _Site) -> None:
+    """At run time, a backward under create_graph=True: the boundary's gradients would have no
+    history (the compiled plain backward's second order is not carried across it)."""
+    if not site.tracing and torch.is_grad_enabled():
+        refuse_double_backward()
+
+
 class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
@@ -121,6 +128,7 @@ class _Wrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _refuse_double_backward(ctx.site)
         return (None, *ctx.site.flatten_grad(grad))
 
 
@@ -134,6 +142,7 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        _refuse_double_backward(ctx.site)
         return None, ctx.site.rebuild_grad(grads)
 
 
