@@ -409,21 +409,38 @@ class Boundary:
             mutated.add(i)
         return sorted(mutated | self.bumped)
 
-    def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int]) -> None:
-        """Writes in grad mode into a subclass argument requiring grad: as eager, refused on a leaf;
-        on a non-leaf the run time rebases its history (subclass_runtime._Rebase), not on a view."""
-        for i in sorted(self.rebased):
+    def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int], plan=None) -> None:
+        """Writes into a subclass argument requiring grad (or given history by one): a leaf requiring
+        grad is refused, as eager refuses a write in grad mode (writes under no_grad or through
+        .detach() too: not supported). A non-leaf written in grad mode has its history rebased by the
+        run time (subclass_runtime._Rebase), where nothing else aliases it: not a view, not passed
+        twice or sharing memory with another argument, not viewed by an output (returned itself is fine)."""
+        aliased = {o.leaf for o in self.outputs if isinstance(o, ViewOfLeafOut)}
+        if plan is not None:  # plain outputs aliasing an argument's inner tensors (through .detach())
+            leaf_of_plain = {p: i for i in self.sites for p in range(*self.ranges[i])}
+            for src in plan.out_sources:
+                k = getattr(src, "primal", None)
+                k = plan.layout.primal_sources[k].leaf if k is not None else getattr(src, "leaf", None)
+                if k in leaf_of_plain:
+                    aliased.add(leaf_of_plain[k])
+        storages = [_storages(x) for x in leaves]
+        for i in mutated:
             x = leaves[i]
-            if x.is_leaf and x.requires_grad:
+            if x.requires_grad and x.is_leaf:
                 raise InplaceOnLeafError(
                     f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
-                    "program modifies it in place; eager refuses that too. Mutate it under torch.no_grad()."
+                    "program modifies it in place; eager refuses that in grad mode, and aotgrad does not "
+                    "support it under no_grad or through .detach() either. Mutate a clone."
                 )
-            if x._is_view():
+            if i not in self.rebased and not x.requires_grad:
+                continue
+            shared = any(storages[i] & storages[j] for j in range(len(leaves)) if j != i)
+            if x._is_view() or i in aliased or shared or (x.requires_grad and i not in self.rebased):
                 raise UnsupportedMutationError(
-                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) is a view that requires grad "
-                    "and the program modifies it in place; aotgrad does not rebase the history of a subclass "
-                    "view's base. Pass the base, or clone the view first."
+                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad (or is given it) "
+                    "and the program modifies it in place while it is a view, shares memory with another "
+                    "input, is viewed by an output, or is written under no_grad; aotgrad rebases "
+                    "a subclass's history only without those. Clone it first."
                 )
 
     def runner(self, run_plain: Callable, mutated: list[int], examples: Sequence[Any] = (),
@@ -486,6 +503,15 @@ def _needs_spread(i: int) -> Callable:
 
 def _state(t: torch.Tensor) -> tuple:
     return _metadata(t), t.requires_grad, t.grad_fn
+
+
+def _storages(x: Any) -> set:
+    """The storages of a subclass argument's plain inner tensors (empty for anything else)."""
+    if not (isinstance(x, torch.Tensor) and is_subclass(x)):
+        return {x.untyped_storage()._cdata} if isinstance(x, torch.Tensor) else set()
+    inner: list = []
+    flatten(x, layout_of(x), inner)
+    return {t.untyped_storage()._cdata for t in inner}
 
 
 def _rebased(before: tuple, after: tuple) -> bool:
@@ -584,7 +610,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
                 raise
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
-    boundary.refuse_grad_mutations(leaves, mutated)
+    boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
     inner: list = []
