@@ -271,10 +271,20 @@ def test_requires_grad_on_subclass_input_still_refused():
         aotgrad.aot_function(f, nop)(two(3, requires_grad=False))
 
 
-@pytest.mark.parametrize("index", [392, 705, 1302, 1475, 1736, 1838])
+@pytest.mark.parametrize("index", [392, 705, 1302, 1475, 1492, 1736, 1838, 3813])
 def test_fuzz_found_in_place_writes_into_subclass_inputs(index):
     # `make fuzz SUBCLASS=1 SEED=1`: writes into inputs requiring grad that are leaves, views, viewed
     # by outputs (also through .detach()) or share memory crashed or mismatched once rebased
+    from aotgrad import fuzz, fuzz_subclass
+
+    out = fuzz_subclass.check_program(fuzz.generate(1, index))
+    assert out.kind in ("matched", "refused", "skipped"), out.message
+
+
+@pytest.mark.xfail(strict=True, reason="found by `make fuzz SUBCLASS=1 SEED=1` past program 2,000; also on the "
+                   "subclass stage before this branch; not fixed yet")
+@pytest.mark.parametrize("index", [2493, 3083, 3321, 4243])
+def test_fuzz_found_mismatches_not_fixed_yet(index):
     from aotgrad import fuzz, fuzz_subclass
 
     out = fuzz_subclass.check_program(fuzz.generate(1, index))

@@ -237,6 +237,7 @@ class Boundary:
     rebased_at: dict = field(default_factory=dict)  # rebased argument -> (its new value's plain outputs, site)
     num_plain_outputs: int = 0
     bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
+    unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
     num_user: int = 0
     out_spec: Any = None
 
@@ -317,6 +318,9 @@ class Boundary:
             self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
             # written in grad mode: autograd rebased the argument's history (subclass_runtime._Rebase)
             self.rebased = {i for i, st in before.items() if _rebased(st, _state(leaves[i]))}
+            # every write in grad mode (one autograd node each), else some ran under no_grad
+            self.unclear_history = {i for i in self.rebased
+                                    if not _writes_all_recorded(leaves[i].grad_fn, before[i][2], self.bumps[i])}
             flat, self.out_spec = pytree.tree_flatten(out)
             return self._flatten_outputs(flat, rebuilt) + self._rebased_values(leaves)
 
@@ -387,7 +391,7 @@ class Boundary:
             if lay is not None:
                 for p in range(*self.ranges[i]):
                     leaf_of_plain[p] = i
-        mutated = set()
+        mutated, written = set(), set()
         leaves_requiring_grad = self.requires_grad
         for src, m in zip(plan.layout.primal_sources, plan.mutations):
             i = leaf_of_plain.get(src.leaf)
@@ -407,6 +411,9 @@ class Boundary:
                     "tensors. Return the new value instead."
                 )
             mutated.add(i)
+            if m.data:
+                written.add(i)
+        self.unclear_history |= self.rebased - written  # in-place metadata ops only (transpose_(0, 0))
         return sorted(mutated | self.bumped)
 
     def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int], plan=None) -> None:
@@ -435,7 +442,8 @@ class Boundary:
             if i not in self.rebased and not x.requires_grad:
                 continue
             shared = any(storages[i] & storages[j] for j in range(len(leaves)) if j != i)
-            if x._is_view() or i in aliased or shared or (x.requires_grad and i not in self.rebased):
+            if (x._is_view() or i in aliased or shared or (x.requires_grad and i not in self.rebased)
+                    or i in self.unclear_history):
                 raise UnsupportedMutationError(
                     f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad (or is given it) "
                     "and the program modifies it in place while it is a view, shares memory with another "
@@ -512,6 +520,23 @@ def _storages(x: Any) -> set:
     inner: list = []
     flatten(x, layout_of(x), inner)
     return {t.untyped_storage()._cdata for t in inner}
+
+
+def _writes_all_recorded(node, start, bumps: int) -> bool:
+    """Whether the argument's new history is one node per version bump back to `start` (its grad_fn
+    before the program): every in-place op on it ran in grad mode."""
+    if start is None:
+        return bumps == 1
+    frontier, seen = [(node, 0)], set()
+    while frontier:
+        n, depth = frontier.pop(0)
+        if n is start:
+            return depth == bumps
+        if n is None or depth >= bumps or id(n) in seen:
+            continue
+        seen.add(id(n))
+        frontier += [(m, depth + 1) for m, _ in n.next_functions]
+    return False
 
 
 def _rebased(before: tuple, after: tuple) -> bool:
@@ -601,7 +626,8 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
         plain_leaves = boundary.plain_leaves(leaves)
         plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
         plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
-        plain_config = with_folded_detaches(plain_config)  # the boundary's own detaches (subclass_graphs.py)
+        if not spread:  # the boundary's own detaches (subclass_graphs.py); _Gather's views keep theirs
+            plain_config = with_folded_detaches(plain_config)
         try:
             run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
             break
