@@ -289,3 +289,19 @@ def test_fuzz_found_mismatches_not_fixed_yet(index):
 
     out = fuzz_subclass.check_program(fuzz.generate(1, index))
     assert out.kind in ("matched", "refused", "skipped"), out.message
+
+
+def test_call_under_no_grad_writing_leaf_requiring_grad_like_eager():
+    # an optimizer step over subclass parameters: the whole call under no_grad
+    def step(p, g):
+        p.add_(g, alpha=-0.1)
+
+    results = []
+    for run in (step, aotgrad.aot_function(step, nop)):
+        p = TwoTensor(torch.arange(3.0), torch.arange(3.0) + 1).requires_grad_()
+        g = TwoTensor(torch.ones(3), torch.ones(3) * 2)
+        with torch.no_grad():
+            run(p, g)
+        results.append(p)
+    assert_same(results[1], results[0], "parameter after the step")
+    assert results[1].is_leaf and results[1].requires_grad

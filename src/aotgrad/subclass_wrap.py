@@ -422,6 +422,8 @@ class Boundary:
         .detach() too: not supported). A non-leaf written in grad mode has its history rebased by the
         run time (subclass_runtime._Rebase), where nothing else aliases it: not a view, not passed
         twice or sharing memory with another argument, not viewed by an output (returned itself is fine)."""
+        if not torch.is_grad_enabled():  # a call under no_grad (an optimizer step): data writes only
+            return
         aliased = {o.leaf for o in self.outputs if isinstance(o, ViewOfLeafOut)}
         if plan is not None:  # plain outputs aliasing an argument's inner tensors (through .detach())
             leaf_of_plain = {p: i for i in self.sites for p in range(*self.ranges[i])}
