@@ -46,8 +46,14 @@ def _candidates(prog: Program):
             yield dataclasses.replace(prog, args=prog.args[:i] + ((p, alt),) + prog.args[i + 1 :])
 
 
+def _assignment(line: str) -> tuple[str, str] | None:
+    """`(name, rhs)` of a setup line `name = rhs`; None for other lines (`global W0`, fuzz_closures)."""
+    parts = line.split(" = ", 1)
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
 def _arg_alternatives(prog: Program, e: str) -> list[str]:
-    defs = {line.split(" = ", 1)[0]: line.split(" = ", 1)[1] for line in prog.setup}
+    defs = dict(a for a in map(_assignment, prog.setup) if a is not None)
     rhs = defs.get(e, "")
     m = re.match(r"([rc]\d+)\b", rhs)
     return [m.group(1)] if m and m.group(1) != e else []
@@ -58,21 +64,23 @@ def _replace(t: tuple, i: int, v) -> tuple:
 
 
 def _clean(prog: Program) -> Program:
-    """Drop setup lines and roots no argument needs (does not change behaviour)."""
+    """Drop setup lines and roots no argument needs (does not change behaviour). Lines that assign
+    nothing (`global W0`) stay, and so do the globals they declare (the program reads them)."""
     used = {e for _, e in prog.args}
+    used |= {g for line in prog.setup if line.startswith("global ") for g in line[7:].replace(",", " ").split()}
     setup = list(prog.setup)
     changed = True
     while changed:
         changed = False
         for line in list(setup):
-            name, rhs = line.split(" = ", 1)
-            if name not in used:
-                if any(re.search(rf"\b{name}\b", other.split(" = ", 1)[1]) for other in setup if other is not line):
+            a = _assignment(line)
+            if a is not None and a[0] not in used:
+                if any(re.search(rf"\b{a[0]}\b", o[1]) for o in map(_assignment, setup) if o is not None and o[0] != a[0]):
                     continue
                 setup.remove(line)
                 changed = True
-        used |= {n for line in setup for n in re.findall(r"\b[rc]\d+\b", line.split(" = ", 1)[1])}
-    names = {line.split(" = ", 1)[0] for line in setup}
+        used |= {n for a in map(_assignment, setup) if a is not None for n in re.findall(r"\b[rc]\d+\b", a[1])}
+    names = {a[0] for a in map(_assignment, setup) if a is not None}
     roots = tuple(r for r in prog.roots if r in names)
     return dataclasses.replace(prog, setup=tuple(setup), roots=roots)
 

@@ -18,13 +18,30 @@ No per-call walk over subclass metadata. `AOTGRAD_PRINT_RUNTIME=1` logs it (runt
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .runtime import _Source, _structure
+from .errors import HigherOrderError
+from .plan import FromLeaf, GraphOutput, UserOutput
+from .runtime import _Source, _structure, _unreached_when_none, make_autograd_function
 from .subclass_layout import Opaque, SubclassLayout
+
+
+class _Rebase(torch.autograd.Function):
+    """`t` written in place in grad mode: its history becomes `new`'s (the rebuilt subclass over
+    the plain inner tensors, whose history the plain run time rebased), as eager's in-place op does."""
+
+    @staticmethod
+    def forward(ctx, t, new):
+        ctx.mark_dirty(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
 
 
 def _attr_paths(layout: SubclassLayout, prefix: str) -> list[str]:
@@ -77,6 +94,9 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
         else:
             plain += _attr_paths(layout, f"l{i}")
     src.emit(f"r = {src.bind('plain', run_plain)}([{', '.join(plain)}])")
+    for i, (start, site) in sorted(boundary.rebased_at.items()):  # written in grad mode: as eager's
+        values = ", ".join(f"r[{start + j}]" for j in range(site.layout.num_plain))
+        src.emit(f"{src.bind('rebase', _Rebase.apply)}(l{i}, {src.bind('wrap', wrap)}({src.bind('site', site)}, {values}))")
     outs = boundary.outputs
     rank = {"ViewOut": 1, "ViewOfLeafOut": 1, "SameAs": 2}  # bases, then views of them, then repeats
     for k in sorted(range(len(outs)), key=lambda k: rank.get(type(outs[k]).__name__, 0)):
@@ -100,8 +120,164 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
                 src.emit(f"{set_meta}(o{k}, {src.bind('meta', o.creation_meta)})")
         else:
             src.emit(f"o{k} = o{o.entry}")
-    if mutated:
+    bumped = []  # eager bumps once per in-place op; _Rebase's mark_dirty did one
+    for i in mutated:
+        bumped += [i] * max(boundary.bumps.get(i, 1) - (i in boundary.rebased_at), 0)
+    if bumped:
         bump = src.bind("bump", torch.autograd.graph.increment_version)
-        src.emit(f"{bump}(({''.join(f'l{i}, ' for i in mutated)}))")
+        src.emit(f"{bump}(({''.join(f'l{i}, ' for i in bumped)}))")
     src.emit(f"return {_structure(src, boundary.out_spec, [f'o{k}' for k in range(boundary.num_user)])}")
     return src.build("run", "def run(leaves):")
+
+
+# ---------------------------------------------------------------------------------------------
+# One autograd.Function for the whole call (the common case)
+
+
+def _fusable_plain(run_plain: Callable) -> bool:
+    """The plain run is nothing but its autograd.Function: each graph input one caller leaf of its
+    own, outputs returned as the graph returns them, nothing before or after the call."""
+    plan, compiled = getattr(run_plain, "plan", None), getattr(run_plain, "compiled", None)
+    if plan is None or compiled is None or not plan.is_training or not compiled.num_fw_outputs:
+        return False
+    lay = plan.layout
+    primal_leaves = [s.leaf if isinstance(s, FromLeaf) else None for s in lay.primal_sources]
+    tensors_leaves = [p for p in lay.leaf_primal if p is not None]
+    return (
+        None not in primal_leaves and len(set(primal_leaves)) == len(primal_leaves)
+        and len(tensors_leaves) == len(set(tensors_leaves)) and not lay.leaf_views
+        and not plan.prologue and not plan.epilogue and not plan.grad_free and not plan.autocast
+        and plan.grad_mode_at_call and not plan.symbol_sources and not compiled.written_in_place
+        and not any(m.any or m.in_backward for m in plan.mutations)
+        and all(isinstance(o.kind, UserOutput) for o in plan.fw_outputs)
+        and len(plan.out_sources) == compiled.num_fw_outputs
+        and all(isinstance(s, GraphOutput) and s.index == k for k, s in enumerate(plan.out_sources))
+    )
+
+
+def fusable(boundary, run_plain: Callable, mutated: Sequence[int], inner_requires_grad: bool) -> bool:
+    """Whether `build_fused_run` can serve this signature; else the general run (`build_run`)."""
+    return (
+        torch.is_grad_enabled() and not mutated and not boundary.spread and not inner_requires_grad
+        and not boundary.rebased_at
+        and all(boundary.first.get(i, i) == i for i in range(len(boundary.layouts)))
+        and all(type(o).__name__ in ("PlainOut", "SubclassOut") for o in boundary.outputs)
+        and len(boundary.outputs) == boundary.num_user
+        and _fusable_plain(run_plain)
+        and all(_without_gradient(o, run_plain.plan) for o in boundary.outputs
+                if type(o).__name__ == "SubclassOut" and not o.requires_grad)
+    )
+
+
+def _without_gradient(o, plan) -> bool:
+    """A subclass output eager gives no gradient whose plain values get none either (else it is a
+    leaf requiring grad, which the general run rebuilds as such)."""
+    return not any(plan.fw_outputs[o.start + j].differentiable for j in range(o.site.layout.num_plain))
+
+
+def refuse_double_backward(*_):
+    raise HigherOrderError(
+        "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled function "
+        "with tensor subclass arguments or outputs: not supported. Run it eagerly where you need "
+        "higher-order gradients, or call backward without create_graph."
+    )
+
+
+def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, examples: Sequence[Any]) -> Callable:
+    """The generated `run(leaves)` as ONE autograd.Function around the plain run's own generated
+    forward/backward (called with the same ctx): subclass arguments are read attribute by attribute
+    inside its forward, subclass outputs built there; its backward flattens the outputs' gradients,
+    runs the plain backward, and rebuilds the arguments' gradients. Per call that is one
+    Function.apply where the general run has one per argument and output plus the plain one.
+
+        def forward(ctx, l0, ):
+            outs = _plain_fw(ctx, l0.a, l0.b)
+            return _unflatten({'a': outs[0], 'b': outs[1]}, None, (1,), (1,))
+        def backward(ctx, g0):
+            gs = _plain_bw(ctx, *_flatten_grad(g0))
+            return _rebuild_grad(gs[0:2])
+
+    None where it cannot (a gradient to fill with zeros of symbolic size): the general run then."""
+    plan = run_plain.plan
+    plain_fn = make_autograd_function(plan, run_plain.compiled)
+    diff = [k for k, o in enumerate(plan.fw_outputs) if o.differentiable]
+    may_be_none = {k for ks in _unreached_when_none(plan, run_plain.compiled, diff).values() for k in ks}
+    n = len(boundary.layouts)
+    leaves = [f"l{i}" for i in range(n)]
+    fw, bw = _Source(), _Source()
+    # plain leaf expressions (caller leaf -> its inner tensors), then the graph inputs among them
+    plain: list[str] = []
+    for i, layout in enumerate(boundary.layouts):
+        plain += [f"l{i}"] if layout is None else _attr_paths(layout, f"l{i}")
+    primals = [plain[s.leaf] for s in plan.layout.primal_sources]
+    fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
+    outs, grads, nondiff = [], [], []
+    for k, o in enumerate(boundary.outputs):
+        if type(o).__name__ == "PlainOut":
+            outs.append(f"outs[{o.position}]")
+            grads.append(f"g{k}, ")
+            continue
+        m = o.site.layout.num_plain
+        fw.emit(f"o{k} = {_rebuild_src(fw, o.site.layout, [f'outs[{o.start + j}]' for j in range(m)])}")
+        outs.append(f"o{k}")
+        nones = "None, " * m
+        if o.requires_grad:
+            flat = bw.bind("flatten_grad", o.site.flatten_grad)
+            grads.append(f"*({flat}(g{k}) if g{k} is not None else ({nones})), ")
+        else:  # a subclass output without gradient (as eager's): its plain values get none either
+            nondiff.append(f"o{k}")
+            grads.append(nones)
+    if nondiff:  # beside the plain forward's own (ctx.mark_non_differentiable replaces the set)
+        fw.emit(f"ctx.mark_non_differentiable(*getattr(ctx, 'non_differentiable', ()), {', '.join(nondiff)})")
+    fw.emit(f"return {''.join(['('] + [f'{x}, ' for x in outs] + [')'])}")
+    forward = fw.build("forward", f"def forward(ctx, {''.join(f'{x}, ' for x in leaves)}):")
+    bw.emit(f"if {bw.bind('grad_enabled', torch.is_grad_enabled)}():")
+    bw.emit(f"{bw.bind('refuse', refuse_double_backward)}()", 2)
+    order = sorted(range(len(boundary.outputs)), key=lambda k: _plain_start(boundary.outputs[k]))
+    bw.emit(f"gs = {bw.bind('plain_bw', plain_fn.backward)}(ctx, {''.join(grads[k] for k in order)})")
+    primal_of = {s.leaf: k for k, s in enumerate(plan.layout.primal_sources)}
+    returned: list[str] = []
+    pos = 0
+    for i, layout in enumerate(boundary.layouts):
+        width = 1 if layout is None else layout.num_plain
+        ks = [primal_of.get(p) for p in range(pos, pos + width)]
+        pos += width
+        if not boundary.requires_grad[i] or None in ks:
+            returned.append("None")
+        elif layout is None:
+            returned.append(f"gs[{ks[0]}]")
+        else:
+            rebuild = bw.bind("rebuild_grad", boundary.sites[i].rebuild_grad)
+            maybe_none = [k for k in ks if k in may_be_none]
+            if not maybe_none:
+                returned.append(f"{rebuild}(({''.join(f'gs[{k}], ' for k in ks)}))")
+                continue
+            # some inner gradients may be None (inputs eager leaves without gradient): all None is
+            # no gradient; otherwise the missing ones are zeros, as autograd materialises them
+            parts = []
+            for k in ks:
+                if k in maybe_none:
+                    t = examples[plan.layout.primal_sources[k].leaf]
+                    if not all(isinstance(d, int) for d in t.shape):
+                        return None
+                    z = bw.bind("zeros", functools.partial(torch.zeros, tuple(t.shape), dtype=t.dtype, device=t.device))
+                    parts.append(f"gs[{k}] if gs[{k}] is not None else {z}()")
+                else:
+                    parts.append(f"gs[{k}]")
+            all_none = " and ".join(f"gs[{k}] is None" for k in maybe_none)
+            rebuilt = f"{rebuild}(({''.join(f'{x}, ' for x in parts)}))"
+            returned.append(f"(None if {all_none} else {rebuilt})" if len(maybe_none) == len(ks) else rebuilt)
+    bw.emit(f"return ({''.join(f'{x}, ' for x in returned)})")
+    backward = bw.build("backward", f"def backward(ctx, {''.join(f'g{k}, ' for k in range(len(outs)))}):")
+    fused = type("CompiledSubclassFunction", (torch.autograd.Function,),
+                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    src = _Source()
+    src.emit(f"({''.join(f'{x}, ' for x in leaves)}) = leaves")
+    names = [f"o{k}" for k in range(len(outs))]
+    src.emit(f"({''.join(f'{x}, ' for x in names)}) = {src.bind('apply', fast_apply(fused))}({', '.join(leaves)})")
+    src.emit(f"return {_structure(src, boundary.out_spec, names)}")
+    return src.build("run", "def run(leaves):")
+
+
+def _plain_start(o) -> int:
+    return o.position if type(o).__name__ == "PlainOut" else o.start

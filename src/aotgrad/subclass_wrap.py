@@ -40,8 +40,9 @@ from .errors import (
     UnsupportedOutputError,
 )
 from .plan import FromLeaf, ViewChain
+from .subclass_graphs import with_folded_detaches
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
-from .subclass_runtime import build_run
+from .subclass_runtime import build_fused_run, build_run, fusable, refuse_double_backward
 from .subclass_sizes import integer_positions, sizes_match
 
 log = logging.getLogger("aotgrad.subclass")
@@ -113,6 +114,13 @@ class _Site:
         return rebuild(layout, grads)
 
 
+def _refuse_double_backward(site: _Site) -> None:
+    """At run time, a backward under create_graph=True: the boundary's gradients would have no
+    history (the compiled plain backward's second order is not carried across it)."""
+    if not site.tracing and torch.is_grad_enabled():
+        refuse_double_backward()
+
+
 class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
@@ -123,6 +131,7 @@ class _Wrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _refuse_double_backward(ctx.site)
         return (None, *ctx.site.flatten_grad(grad))
 
 
@@ -144,6 +153,7 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        _refuse_double_backward(ctx.site)
         kept = getattr(ctx, "kept_inner", None)
         if kept is not None:
             grads = [g if m is None else m for g, m in zip(grads, kept)]
@@ -237,6 +247,11 @@ class Boundary:
     requires_grad: list[bool]  # per caller leaf
     outputs: list = field(default_factory=list)
     bumped: set = field(default_factory=set)  # subclass arguments whose version eager bumps
+    rebased: set = field(default_factory=set)  # subclass arguments written in grad mode (history rebased)
+    rebased_at: dict = field(default_factory=dict)  # rebased argument -> (its new value's plain outputs, site)
+    num_plain_outputs: int = 0
+    bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
+    unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
     num_user: int = 0
     out_spec: Any = None
 
@@ -314,11 +329,28 @@ class Boundary:
             for i, state in before.items():
                 _check_state(i, self.layouts[i], state, _state(leaves[i]))
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
+            self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
+            # written in grad mode: autograd rebased the argument's history (subclass_runtime._Rebase)
+            self.rebased = {i for i, st in before.items() if _rebased(st, _state(leaves[i]))}
+            # every write in grad mode (one autograd node each), else some ran under no_grad
+            self.unclear_history = {i for i in self.rebased
+                                    if not _writes_all_recorded(leaves[i].grad_fn, before[i][2], self.bumps[i])}
             flat, self.out_spec = pytree.tree_flatten(out)
-            return self._flatten_outputs(flat, rebuilt)
+            return self._flatten_outputs(flat, rebuilt) + self._rebased_values(leaves)
 
         fn_plain.__qualname__ = getattr(fn, "__qualname__", "fn") + "[subclasses flattened]"
         return fn_plain
+
+    def _rebased_values(self, leaves: list) -> tuple:
+        """Hidden outputs after the user's: each rebased argument's new value, differentiable (a
+        clone: an alias of the input would be rebuilt as a view, detached)."""
+        values: list = []
+        self.rebased_at = {}
+        for i in sorted(self.rebased):
+            site = _Site(self.layouts[i], f"input {i}")
+            self.rebased_at[i] = (self.num_plain_outputs + len(values), site)
+            values += [p.clone() for p in _Unwrap.apply(site, leaves[i])]
+        return tuple(values)
 
     def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
         """The plain values the graph returns for the user's outputs; `self.outputs` says how each
@@ -359,6 +391,7 @@ class Boundary:
         for k, o in enumerate(self.outputs):  # a view of an input: the caller's subclass is the base
             if isinstance(o, ViewOut) and isinstance(self.outputs[o.base], LeafOut):
                 self.outputs[k] = ViewOfLeafOut(self.outputs[o.base].leaf, o.chain, o.creation_meta)
+        self.num_plain_outputs = len(plain)
         return tuple(plain)
 
     # -- after the trace ----------------------------------------------------------------------
@@ -371,7 +404,7 @@ class Boundary:
             if lay is not None:
                 for p in range(*self.ranges[i]):
                     leaf_of_plain[p] = i
-        mutated = set()
+        mutated, written = set(), set()
         leaves_requiring_grad = self.requires_grad
         for src, m in zip(plan.layout.primal_sources, plan.mutations):
             i = leaf_of_plain.get(src.leaf)
@@ -391,32 +424,61 @@ class Boundary:
                     "tensors. Return the new value instead."
                 )
             mutated.add(i)
+            if m.data:
+                written.add(i)
+        self.unclear_history |= self.rebased - written  # in-place metadata ops only (transpose_(0, 0))
         return sorted(mutated | self.bumped)
 
-    def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int]) -> None:
-        if not torch.is_grad_enabled():
+    def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int], plan=None) -> None:
+        """Writes into a subclass argument requiring grad (or given history by one): a leaf requiring
+        grad is refused, as eager refuses a write in grad mode (writes under no_grad or through
+        .detach() too: not supported). A non-leaf written in grad mode has its history rebased by the
+        run time (subclass_runtime._Rebase), where nothing else aliases it: not a view, not passed
+        twice or sharing memory with another argument, not viewed by an output (returned itself is fine)."""
+        if not torch.is_grad_enabled():  # a call under no_grad (an optimizer step): data writes only
             return
+        aliased = {o.leaf for o in self.outputs if isinstance(o, ViewOfLeafOut)}
+        if plan is not None:  # plain outputs aliasing an argument's inner tensors (through .detach())
+            leaf_of_plain = {p: i for i in self.sites for p in range(*self.ranges[i])}
+            for src in plan.out_sources:
+                k = getattr(src, "primal", None)
+                k = plan.layout.primal_sources[k].leaf if k is not None else getattr(src, "leaf", None)
+                if k in leaf_of_plain:
+                    aliased.add(leaf_of_plain[k])
+        storages = [_storages(x) for x in leaves]
         for i in mutated:
             x = leaves[i]
             if x.requires_grad and x.is_leaf:
                 raise InplaceOnLeafError(
                     f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
-                    "program modifies it in place; eager refuses that too. Mutate it under torch.no_grad()."
+                    "program modifies it in place; eager refuses that in grad mode, and aotgrad does not "
+                    "support it under no_grad or through .detach() either. Mutate a clone."
                 )
-            if x.requires_grad:
+            if i not in self.rebased and not x.requires_grad:
+                continue
+            shared = any(storages[i] & storages[j] for j in range(len(leaves)) if j != i)
+            if (x._is_view() or i in aliased or shared or (x.requires_grad and i not in self.rebased)
+                    or i in self.unclear_history):
                 raise UnsupportedMutationError(
-                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad and the program "
-                    "modifies it in place; aotgrad does not rebase a subclass's autograd history. Clone it "
-                    "first, or mutate a tensor that does not require grad."
+                    f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad (or is given it) "
+                    "and the program modifies it in place while it is a view, shares memory with another "
+                    "input, is viewed by an output, or is written under no_grad; aotgrad rebases "
+                    "a subclass's history only without those. Clone it first."
                 )
 
-    def runner(self, run_plain: Callable, mutated: list[int]) -> Callable:
-        """The run time around the compiled plain function."""
-        for site in (*self.sites.values(), *self.spread.values()):
+    def runner(self, run_plain: Callable, mutated: list[int], examples: Sequence[Any] = (),
+               inner_requires_grad: bool = True) -> Callable:
+        """The run time around the compiled plain function: one autograd.Function for the whole call
+        where the call allows it (subclass_runtime.build_fused_run), else one per crossing."""
+        for site in (*self.sites.values(), *self.spread.values(), *(s for _, s in self.rebased_at.values())):
             site.tracing = False
         for o in self.outputs:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
+        if fusable(self, run_plain, mutated, inner_requires_grad):
+            run = build_fused_run(self, run_plain, _fast_apply, examples)
+            if run is not None:
+                return run
         fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
                "replay": _replay}
         return build_run(self, run_plain, mutated, fns)
@@ -456,6 +518,38 @@ def _state(t: torch.Tensor) -> tuple:
     return _metadata(t), t.requires_grad, t.grad_fn
 
 
+def _storages(x: Any) -> set:
+    """The storages of a subclass argument's plain inner tensors (empty for anything else)."""
+    if not (isinstance(x, torch.Tensor) and is_subclass(x)):
+        return {x.untyped_storage()._cdata} if isinstance(x, torch.Tensor) else set()
+    inner: list = []
+    flatten(x, layout_of(x), inner)
+    return {t.untyped_storage()._cdata for t in inner}
+
+
+def _writes_all_recorded(node, start, bumps: int) -> bool:
+    """Whether the argument's new history is one node per version bump back to `start` (its grad_fn
+    before the program): every in-place op on it ran in grad mode."""
+    if start is None:
+        return bumps == 1
+    frontier, seen = [(node, 0)], set()
+    while frontier:
+        n, depth = frontier.pop(0)
+        if n is start:
+            return depth == bumps
+        if n is None or depth >= bumps or id(n) in seen:
+            continue
+        seen.add(id(n))
+        frontier += [(m, depth + 1) for m, _ in n.next_functions]
+    return False
+
+
+def _rebased(before: tuple, after: tuple) -> bool:
+    """Whether an in-place op in grad mode gave the argument a new history (requires_grad after it,
+    a grad_fn of its own), as eager's write of a value requiring grad does."""
+    return after[1] and after[2] is not None and after[2] is not before[2]
+
+
 def _check_state(i: int, layout: SubclassLayout, before: tuple, after: tuple) -> None:
     """Refuse what the program did to subclass input `i` that the flattened run time cannot replay on
     the caller's subclass: metadata changed in place, autograd state changed (a write of a value
@@ -463,8 +557,10 @@ def _check_state(i: int, layout: SubclassLayout, before: tuple, after: tuple) ->
     what = None
     if after[0] != before[0]:
         what = "changes the metadata of", "(t_(), transpose_(), as_strided_()...)"
+    elif _rebased(before, after):  # a write in grad mode: replayed (subclass_runtime._Rebase)
+        return
     elif after[1] != before[1] or (after[2] is not before[2] and not before[1]):
-        what = "changes the autograd state of", "(detach_(), requires_grad_(), a write of a value requiring grad)"
+        what = "changes the autograd state of", "(detach_(), requires_grad_())"
     if what is not None:
         raise UnsupportedMutationError(
             f"aotgrad: the program {what[0]} subclass input {i} ({layout.describe()}) in place {what[1]}; aotgrad "
@@ -536,6 +632,8 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
         plain_leaves = boundary.plain_leaves(leaves)
         plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
         plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
+        if not spread:  # the boundary's own detaches (subclass_graphs.py); _Gather's views keep theirs
+            plain_config = with_folded_detaches(plain_config)
         try:
             run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
             break
@@ -544,11 +642,17 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
                 raise
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
-    boundary.refuse_grad_mutations(leaves, mutated)
+    boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
+    inner: list = []
+    for i in boundary.sites:
+        flatten(leaves[i], boundary.layouts[i], inner)
+    # integer inner tensors (a NestedTensor's offsets) need the general run, which keeps them
+    inner_requires_grad = any(p.requires_grad for p in inner) or bool(integer_positions(inner))
     # generated per shape where the boundary's sizes are symbolic (subclass_symbolic.py)
-    run = subclass_symbolic.runner(boundary, leaves, lambda b: b.runner(run_plain, mutated))
+    run = subclass_symbolic.runner(
+        boundary, leaves, lambda b: b.runner(run_plain, mutated, plain_leaves, inner_requires_grad))
     run.plan = run_plain.plan
     run.compiled = run_plain.compiled
     run.boundary = boundary
