@@ -271,6 +271,10 @@ def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, example
     backward = bw.build("backward", f"def backward(ctx, {''.join(f'g{k}, ' for k in range(len(outs)))}):")
     fused = type("CompiledSubclassFunction", (torch.autograd.Function,),
                  {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    # the plain backward reads constants off its ctx's class (runtime: static tangent shapes)
+    shapes = getattr(plain_fn._backward_cls, "tangent_shapes", None)
+    if shapes is not None:
+        fused._backward_cls.tangent_shapes = shapes
     src = _Source()
     src.emit(f"({''.join(f'{x}, ' for x in leaves)}) = leaves")
     names = [f"o{k}" for k in range(len(outs))]
