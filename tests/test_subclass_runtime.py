@@ -281,14 +281,33 @@ def test_fuzz_found_in_place_writes_into_subclass_inputs(index):
     assert out.kind in ("matched", "refused", "skipped"), out.message
 
 
-@pytest.mark.xfail(strict=True, reason="found by `make fuzz SUBCLASS=1 SEED=1` past program 2,000; also on the "
-                   "subclass stage before this branch; not fixed yet")
 @pytest.mark.parametrize("index", [2493, 2677, 3083, 3321, 4243, 4569, 4730, 5809])
-def test_fuzz_found_mismatches_not_fixed_yet(index):
+def test_fuzz_found_mismatches_are_refused(index):
+    """`make fuzz SUBCLASS=1 SEED=1`, programs past 2,000: silent wrong values from requires_grad_()
+    or as_strided on a subclass value inside the program; now refused by name
+    (subclass_trace_rules.py)."""
     from aotgrad import fuzz, fuzz_subclass
 
     out = fuzz_subclass.check_program(fuzz.generate(1, index))
-    assert out.kind in ("matched", "refused", "skipped"), out.message
+    assert out.kind == "refused", out.message
+    assert "requires_grad_()" in out.message or "as_strided" in out.message
+
+
+def test_requires_grad_and_as_strided_on_a_subclass_value_refused_by_name():
+    from aotgrad.errors import UnsupportedAliasingError, UnsupportedMutationError
+
+    def new_leaf(x):
+        y = x.detach() * 2
+        y.requires_grad_()
+        return y
+
+    def strided(x):
+        return x.as_strided((2,), (1,), 1)
+
+    for fn, err in ((new_leaf, UnsupportedMutationError), (strided, UnsupportedAliasingError)):
+        x = TwoTensor(torch.randn(4), torch.randn(4)).requires_grad_()
+        with pytest.raises(err, match="computed" if fn is new_leaf else "subclass input 0"):
+            aotgrad.aot_function(fn, nop)(x)
 
 
 def test_call_under_no_grad_writing_leaf_requiring_grad_like_eager():

@@ -44,6 +44,7 @@ from .subclass_graphs import with_folded_detaches
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
 from .subclass_runtime import build_fused_run, build_run, fusable, refuse_double_backward
 from .subclass_sizes import integer_positions, sizes_match
+from .subclass_trace_rules import SubclassTraceRules
 
 log = logging.getLogger("aotgrad.subclass")
 
@@ -325,7 +326,8 @@ class Boundary:
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
             before = {i: _state(leaves[i]) for i in rebuilt.values()}
             versions = {i: leaves[i]._version for i in rebuilt.values()}
-            out = fn(*args, **kwargs)
+            with SubclassTraceRules(rebuilt):
+                out = fn(*args, **kwargs)
             for i, state in before.items():
                 _check_state(i, self.layouts[i], state, _state(leaves[i]))
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
