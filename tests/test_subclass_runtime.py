@@ -281,7 +281,7 @@ def test_fuzz_found_in_place_writes_into_subclass_inputs(index):
     assert out.kind in ("matched", "refused", "skipped"), out.message
 
 
-@pytest.mark.parametrize("index", [2493, 2677, 3083, 3321, 4243, 4569, 4730, 5809])
+@pytest.mark.parametrize("index", [2493, 2677, 3083, 3321, 4243, 4569, 4730, 5809, 6968, 7403, 10978, 14168])
 def test_fuzz_found_mismatches_are_refused(index):
     """`make fuzz SUBCLASS=1 SEED=1`, programs past 2,000: silent wrong values from requires_grad_()
     or as_strided on a subclass value inside the program; now refused by name
@@ -290,7 +290,17 @@ def test_fuzz_found_mismatches_are_refused(index):
 
     out = fuzz_subclass.check_program(fuzz.generate(1, index))
     assert out.kind == "refused", out.message
-    assert "requires_grad_()" in out.message or "as_strided" in out.message
+    assert any(w in out.message for w in ("requires_grad_()", "as_strided", "detach_()", "metadata of input"))
+
+
+@pytest.mark.xfail(strict=True, reason="`make fuzz SUBCLASS=1 SEED=1` program 16735 (20,000-program run): a "
+                   "TwoTensor view taken under no_grad is a leaf requiring grad in eager, so eager leaves the "
+                   "inputs' .grad None; aotgrad gives them zero gradients. Not fixed yet")
+def test_fuzz_found_no_grad_subclass_view_gradient_not_fixed_yet():
+    from aotgrad import fuzz, fuzz_subclass
+
+    out = fuzz_subclass.check_program(fuzz.generate(1, 16735))
+    assert out.kind in ("matched", "refused"), out.message
 
 
 def test_requires_grad_and_as_strided_on_a_subclass_value_refused_by_name():

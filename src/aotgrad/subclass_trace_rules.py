@@ -6,6 +6,7 @@ for both, so they are refused by name while the stage traces (`Boundary.plain_fu
 
 - `requires_grad_()` on a subclass value inside the program: a new autograd leaf at the subclass
   level, which the flattened graphs cannot represent (its inner tensors are no leaves of ours);
+- `detach_()` on a subclass value (views of it taken before keep their history in eager);
 - `as_strided` on a subclass value: storage offsets and strides are absolute coordinates of the
   subclass's own storage, while the trace sees inner tensors that may be clones or other layouts.
 
@@ -47,6 +48,12 @@ class SubclassTraceRules(TorchFunctionMode):
                     f"aotgrad: the program calls requires_grad_() on {_describe(self_arg, self.inputs)} inside the "
                     "compiled function: a new autograd leaf at the subclass level is not supported. Make it "
                     "require grad before the call and pass it in, or run this part eagerly."
+                )
+            if func is torch.Tensor.detach_:
+                raise UnsupportedMutationError(
+                    f"aotgrad: the program calls detach_() on {_describe(self_arg, self.inputs)}: cutting a "
+                    "subclass value's history in place is not traced through its inner tensors. Use "
+                    "detach() (out of place), or run this part eagerly."
                 )
             if func in _AS_STRIDED:
                 raise UnsupportedAliasingError(

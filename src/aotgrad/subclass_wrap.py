@@ -235,6 +235,10 @@ class SameAs:
 # One signature's boundary
 
 
+def _layout_of_plain(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.storage_offset())
+
+
 @dataclass
 class Boundary:
     """The subclass stage for one signature: how caller leaves map to plain leaves and back."""
@@ -326,8 +330,17 @@ class Boundary:
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
             before = {i: _state(leaves[i]) for i in rebuilt.values()}
             versions = {i: leaves[i]._version for i in rebuilt.values()}
+            plain_meta = {i: _layout_of_plain(t) for i, t in enumerate(leaves)
+                          if self.layouts[i] is None and isinstance(t, torch.Tensor) and not is_subclass(t)}
             with SubclassTraceRules(rebuilt):
                 out = fn(*args, **kwargs)
+            for i, meta in plain_meta.items():
+                if _layout_of_plain(leaves[i]) != meta:
+                    raise UnsupportedMutationError(
+                        f"aotgrad: the program changes the metadata of input {i} ({tuple(meta[0])} -> "
+                        f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) in a call with tensor "
+                        "subclass arguments; the subclass stage does not replay it. Use the out-of-place op "
+                        "and return the result, or run this part eagerly.")
             for i, state in before.items():
                 _check_state(i, self.layouts[i], state, _state(leaves[i]))
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
