@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 
 class BwMutatesBuffer(torch.autograd.Function):
@@ -51,3 +52,19 @@ class GraphRecorder:
         graphs = self.graphs if graph is None else [self.graphs[graph]]
         return [n.target for g in graphs for n in g.graph.nodes
                 if n.op == "call_function" and (among is None or n.target in among)]
+
+
+class Energy(nn.Module):
+    """A force-field energy: an MLP over the pairwise distances; forces = -dE/dpos inside the model
+    (`autograd.grad(create_graph=True)`), so training it is a second-order gradient."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, h), nn.Tanh(), nn.Linear(h, h), nn.SiLU(), nn.Linear(h, 1))
+
+    def forward(self, pos):
+        diff = pos[:, None, :] - pos[None, :, :]
+        d = diff.pow(2).sum(-1).add(1e-3).sqrt()
+        e = self.net(d.reshape(-1, 1)).sum()
+        (f,) = torch.autograd.grad(e, pos, create_graph=True)
+        return e, -f

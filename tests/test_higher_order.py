@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import Energy
 
 import aotgrad
 from aotgrad import aot_function, aot_module, min_cut_rematerialization_partition, nop
@@ -113,21 +114,6 @@ def test_hessian_vector_product_over_module_parameters(partition):
         results.append((loss, *g, *hv))
     for a, b in zip(*results):
         close(b, a)
-
-
-class Energy(nn.Module):
-    """A force-field energy: an MLP over the pairwise distances; forces = -dE/dpos inside."""
-
-    def __init__(self, h=16):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(1, h), nn.Tanh(), nn.Linear(h, h), nn.SiLU(), nn.Linear(h, 1))
-
-    def forward(self, pos):
-        diff = pos[:, None, :] - pos[None, :, :]
-        d = diff.pow(2).sum(-1).add(1e-3).sqrt()
-        e = self.net(d.reshape(-1, 1)).sum()
-        (f,) = torch.autograd.grad(e, pos, create_graph=True)
-        return e, -f
 
 
 def _force_field_step(model, pos, e_ref, f_ref):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import Energy
 
 import aotgrad
 from aotgrad import default_partition, min_cut_rematerialization_partition, nop
@@ -61,21 +62,6 @@ BACKENDS = {
 def _backend(name):
     b = BACKENDS[name]()
     return torch._dynamo.lookup_backend(b) if isinstance(b, str) else b
-
-
-class Energy(nn.Module):
-    """A force-field energy over pairwise distances; forces = -dE/dpos inside the model."""
-
-    def __init__(self, h=16):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(1, h), nn.Tanh(), nn.Linear(h, h), nn.SiLU(), nn.Linear(h, 1))
-
-    def forward(self, pos):
-        diff = pos[:, None, :] - pos[None, :, :]
-        d = diff.pow(2).sum(-1).add(1e-3).sqrt()
-        e = self.net(d.reshape(-1, 1)).sum()
-        (g,) = torch.autograd.grad(e, pos, create_graph=True)
-        return e, -g
 
 
 def _force_loss(model, pos, e_ref, f_ref):
