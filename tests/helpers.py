@@ -68,3 +68,32 @@ class Energy(nn.Module):
         e = self.net(d.reshape(-1, 1)).sum()
         (f,) = torch.autograd.grad(e, pos, create_graph=True)
         return e, -f
+
+
+class Critic(nn.Module):
+    """A small WGAN-GP critic (gradient-penalty tests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.Softplus(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def eager_runs_and_shows(text: str, render: str = "source"):
+    """A shrinker predicate: "the bug" is `text` in the program (`render`: "source" or "render_f")
+    in a program eager still runs."""
+    from aotgrad import fuzz
+
+    def still_fails(p) -> bool:
+        if text not in getattr(p, render)():
+            return False
+        f, make_inputs = fuzz.materialize(p)
+        try:
+            f(*make_inputs()[1])
+        except Exception:
+            return False
+        return True
+
+    return still_fails

@@ -3,6 +3,8 @@ it used to crash splitting that line as an assignment."""
 
 from __future__ import annotations
 
+from helpers import eager_runs_and_shows
+
 from aotgrad import fuzz
 from aotgrad.fuzz_shrink import _clean
 
@@ -14,15 +16,7 @@ def _closing_over_w0(seed: int = 1):
 def test_shrink_program_with_global_in_setup():
     prog = _closing_over_w0()
 
-    def still_fails(p) -> bool:  # "the bug": the statement reading W0, in a program eager runs
-        if "* W0" not in p.render_f():
-            return False
-        f, make_inputs = fuzz.materialize(p)
-        try:
-            f(*make_inputs()[1])
-        except Exception:
-            return False
-        return True
+    still_fails = eager_runs_and_shows("* W0", "render_f")
 
     assert still_fails(prog)
     small = fuzz.shrink(prog, None, still_fails=still_fails)

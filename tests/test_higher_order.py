@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import Energy
+from helpers import Critic, Energy
 
 import aotgrad
 from aotgrad import aot_function, aot_module, min_cut_rematerialization_partition, nop
@@ -173,15 +173,6 @@ def test_forces_energy_compiled_then_autograd_grad_outside_mincut():
         f.pow(2).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         close(p.grad, q.grad)
-
-
-class Critic(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.Softplus(), nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.net(x)
 
 
 def _gradient_penalty(critic, real, fake, alpha):

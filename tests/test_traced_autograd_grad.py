@@ -11,9 +11,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from helpers import Energy
+from helpers import Critic, Energy
 
 import aotgrad
 from aotgrad import default_partition, min_cut_rematerialization_partition, nop
@@ -69,15 +68,16 @@ def _force_loss(model, pos, e_ref, f_ref):
     return (e - e_ref).pow(2) + (f - f_ref).pow(2).mean()
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_force_field_step_is_one_graph_and_matches_eager(name):
+def _check_force_field_steps(inner_backend, steps: int = 2) -> None:
+    """`steps` training steps of the force-field model through torch.compile against eager (loss,
+    position and parameter gradients), then: one Dynamo graph, and it calls autograd.grad."""
     torch.manual_seed(0)
     model = Energy().double()
     ref = copy.deepcopy(model)
-    backend = Counting(_backend(name))
+    backend = Counting(inner_backend)
     compiled = torch.compile(model, backend=backend)
     e_ref, f_ref = torch.tensor(1.0, dtype=D), torch.randn(7, 3, dtype=D)
-    for step in range(2):
+    for step in range(steps):
         pos = torch.randn(7, 3, dtype=D, generator=torch.Generator().manual_seed(step)).requires_grad_()
         pos_ref = pos.detach().clone().requires_grad_()
         got, want = _force_loss(compiled, pos, e_ref, f_ref), _force_loss(ref, pos_ref, e_ref, f_ref)
@@ -89,6 +89,11 @@ def test_force_field_step_is_one_graph_and_matches_eager(name):
             close(p.grad, q.grad)
             p.grad = q.grad = None
     assert len(backend.graphs) == 1 and backend.calls_autograd_grad(), [g.code for g in backend.graphs]
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_force_field_step_is_one_graph_and_matches_eager(name):
+    _check_force_field_steps(_backend(name))
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "aot_module", "aot_module_mincut"])
@@ -113,15 +118,6 @@ def test_forces_then_create_graph_again_third_order(how):
         out.append((e, f, h, *torch.autograd.grad(h.sin().sum(), [pos, *params], allow_unused=True, materialize_grads=True)))
     for a, b in zip(*out):
         close(a, b)
-
-
-class Critic(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.Softplus(), nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.net(x)
 
 
 def _critic_loss(critic, real, fake, alpha):
@@ -203,22 +199,7 @@ def test_returned_gradient_and_its_autograd_metadata(create_graph):
 @pytest.mark.long
 def test_force_field_step_through_inductor():
     """backend="aotgrad": Inductor compiles the graph that contains the force computation."""
-    torch.manual_seed(0)
-    model = Energy().double()
-    ref = copy.deepcopy(model)
-    backend = Counting(torch._dynamo.lookup_backend("aotgrad"))
-    compiled = torch.compile(model, backend=backend)
-    pos = torch.randn(7, 3, dtype=D).requires_grad_()
-    pos_ref = pos.detach().clone().requires_grad_()
-    e_ref, f_ref = torch.tensor(1.0, dtype=D), torch.randn(7, 3, dtype=D)
-    got, want = _force_loss(compiled, pos, e_ref, f_ref), _force_loss(ref, pos_ref, e_ref, f_ref)
-    close(got, want)
-    got.backward()
-    want.backward()
-    close(pos.grad, pos_ref.grad)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        close(p.grad, q.grad)
-    assert len(backend.graphs) == 1 and backend.calls_autograd_grad()
+    _check_force_field_steps(torch._dynamo.lookup_backend("aotgrad"), steps=1)
 
 
 ACTIVATIONS = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu}
