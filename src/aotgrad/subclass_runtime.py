@@ -110,6 +110,8 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
                 src.emit(f"o{k} = {src.bind('wrap', wrap)}({src.bind('site', o.site)}, {', '.join(values)})")
             else:
                 src.emit(f"o{k} = {_rebuild_src(src, o.site.layout, values)}")
+                if o.leaf_requires_grad:
+                    src.emit(f"o{k}.requires_grad_()")
         elif kind == "LeafOut":
             src.emit(f"o{k} = l{o.leaf}")
         elif kind in ("ViewOfLeafOut", "ViewOut"):

@@ -203,6 +203,7 @@ class SubclassOut:
     site: _Site
     start: int
     requires_grad: bool
+    leaf_requires_grad: bool = False  # a base of no_grad views only: a leaf requiring grad, as eager's
 
 
 @dataclass(frozen=True)
@@ -374,6 +375,9 @@ class Boundary:
         entries: dict[int, int] = {}  # id(subclass tensor) -> its entry, so a base is built once
         plain: list = []
         pending = list(enumerate(flat))
+        # a base rebuilt only for its views is differentiable only if some view has a grad path to it
+        # (one taken under no_grad is a leaf in eager): else every input would get zeros, not None
+        grad_bases: set[int] = set()
         for k, o in enumerate(flat):
             self.outputs.append(None)
             if isinstance(o, torch.Tensor) and is_subclass(o):
@@ -394,11 +398,15 @@ class Boundary:
                     entries[id(base)] = len(self.outputs)
                     self.outputs.append(None)
                     pending.append((entries[id(base)], base))
+                if o.grad_fn is not None:
+                    grad_bases.add(id(base))
                 self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
             else:
                 site = _Site(layout_of(o), f"output {k}")
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
-                self.outputs[k] = SubclassOut(site, len(plain), differentiable)
+                leaf = differentiable and k >= self.num_user and id(o) not in grad_bases
+                self.outputs[k] = SubclassOut(site, len(plain), differentiable and not leaf, leaf)
+                differentiable = differentiable and not leaf
                 if differentiable:
                     plain.extend(_Unwrap.apply(site, o))
                 else:
