@@ -256,7 +256,7 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
                 f"type({v}) is _T{i}", f"{v}.storage_offset() == {x.storage_offset()}",
                 guard_tensors.metadata(x, v, f"_S{i}", f"_ST{i}", f"_D{i}", f"_DEV{i}"),
             ]
-            if check_aliasing:
+            if check_aliasing and x.requires_grad:  # without grad it is a leaf (requires_grad is checked)
                 conds.append(f"{v}.is_leaf is {x.is_leaf}")
         elif isinstance(x, _HASHABLE_CONSTANTS):
             scope[f"_C{i}"] = x
@@ -297,8 +297,9 @@ def _inner_tensor_conds(t: torch.Tensor, v: str, scope: dict) -> list[str]:
     n = len(scope)
     scope[f"_IT{n}"], scope[f"_IS{n}"], scope[f"_IST{n}"] = type(t), t.shape, t.stride()
     scope[f"_ID{n}"], scope[f"_IDEV{n}"] = t.dtype, t.device
+    leaf = [f"{v}.is_leaf is {t.is_leaf}"] if t.requires_grad else []  # without grad it is a leaf
     return [
-        f"type({v}) is _IT{n}", f"{v}.is_leaf is {t.is_leaf}", f"{v}.storage_offset() == {t.storage_offset()}",
+        f"type({v}) is _IT{n}", *leaf, f"{v}.storage_offset() == {t.storage_offset()}",
         guard_tensors.metadata(t, v, f"_IS{n}", f"_IST{n}", f"_ID{n}", f"_IDEV{n}"),
     ]
 

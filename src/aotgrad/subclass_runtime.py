@@ -185,7 +185,7 @@ def refuse_double_backward(*_):
     )
 
 
-def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, examples: Sequence[Any]) -> Callable:
+def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> Callable:
     """The generated `run(leaves)` as ONE autograd.Function around the plain run's own generated
     forward/backward (called with the same ctx): subclass arguments are read attribute by attribute
     inside its forward, subclass outputs built there; its backward flattens the outputs' gradients,
@@ -280,7 +280,12 @@ def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, example
     src = _Source()
     src.emit(f"({''.join(f'{x}, ' for x in leaves)}) = leaves")
     names = [f"o{k}" for k in range(len(outs))]
-    src.emit(f"({''.join(f'{x}, ' for x in names)}) = {src.bind('apply', fast_apply(fused))}({', '.join(leaves)})")
+    # Function.apply's Python work (default-argument binding, functorch's dead-wrapper unwrapping)
+    # only where a functorch transform is active; else the C apply, called from here (no wrapper frame)
+    active, slow = src.bind("transforms_active", torch._C._are_functorch_transforms_active), src.bind("apply", fused.apply)
+    direct = src.bind("direct", super(torch.autograd.Function, fused).apply)
+    call = f"({', '.join(leaves)})"
+    src.emit(f"({''.join(f'{x}, ' for x in names)}) = {slow}{call} if {active}() else {direct}{call}")
     src.emit(f"return {_structure(src, boundary.out_spec, names)}")
     return src.build("run", "def run(leaves):")
 
