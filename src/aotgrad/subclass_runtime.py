@@ -212,7 +212,8 @@ def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> C
     for i, layout in enumerate(boundary.layouts):
         plain += [f"l{i}"] if layout is None else _attr_paths(layout, f"l{i}")
     primals = [plain[s.leaf] for s in plan.layout.primal_sources]
-    fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
+    if not _inline_forward(fw, plain_fn.forward, primals):
+        fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
     outs, grads, nondiff = [], [], []
     for k, o in enumerate(boundary.outputs):
         if type(o).__name__ == "PlainOut":
@@ -288,6 +289,22 @@ def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> C
     src.emit(f"({''.join(f'{x}, ' for x in names)}) = {slow}{call} if {active}() else {direct}{call}")
     src.emit(f"return {_structure(src, boundary.out_spec, names)}")
     return src.build("run", "def run(leaves):")
+
+
+def _inline_forward(fw: _Source, forward: Callable, primals: list[str]) -> bool:
+    """Emit the plain Function's generated forward body into `fw` (its `outs` then holds the plain
+    outputs), so a call makes one Python call less. False, emitting nothing, where its source is not
+    the expected shape or its globals would clash with `fw`'s (emitted first: later names are new)."""
+    lines = getattr(forward, "__aotgrad_source__", "").rstrip("\n").split("\n")
+    if lines[0] != "def forward(ctx, *primals):" or lines[-1] != "    return outs" or fw.lines:
+        return False
+    names = {k: v for k, v in forward.__globals__.items() if k != "__builtins__"}
+    if any(k in fw.globals and fw.globals[k] is not v for k, v in names.items()):
+        return False
+    fw.globals.update(names)
+    fw.emit(f"primals = ({''.join(f'{p}, ' for p in primals)})")
+    fw.lines += lines[1:-1]
+    return True
 
 
 def _plain_start(o) -> int:
