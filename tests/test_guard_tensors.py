@@ -54,12 +54,19 @@ def _variants(make):
 
 @pytest.mark.parametrize("make", [lambda t: t.clone(), _two], ids=["plain", "TwoTensor"])
 @pytest.mark.parametrize("python_conditions", [False, True], ids=["tensor_check", "python"])
-def test_each_metadata_change_recompiles(make, python_conditions, monkeypatch):
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_each_metadata_change_recompiles(make, python_conditions, grad_mode, monkeypatch):
     if python_conditions:
         monkeypatch.setattr(guard_tensors, "tensor_check", lambda tensors: None)
     compiler = _counting()
     f = aot_function(_f, compiler)
     variants = _variants(make)
+    with torch.set_grad_enabled(grad_mode):
+        _compare_variants(f, variants, python_conditions)
+    assert len(f.cache) == len(variants)
+
+
+def _compare_variants(f, variants, python_conditions):
     for k, x in enumerate(variants):
         _check(f(x), _f(x))
         _check(f(x), _f(x))  # the fast path, now that this signature is compiled
@@ -67,7 +74,6 @@ def test_each_metadata_change_recompiles(make, python_conditions, monkeypatch):
         assert guard((x,))
         assert ("_tensor_check(" in guard.__aotgrad_source__) is not python_conditions
         assert not any(g((y,)) for g, _ in f.fast for y in variants[k + 1:])
-    assert len(f.cache) == len(variants)
 
 
 def test_inner_tensor_metadata_is_checked():
