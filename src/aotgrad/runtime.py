@@ -388,6 +388,8 @@ def _emit_as_caller_sees(
             # the view test inline: the common output is no view, and pays no call (nor the tuple)
             src.emit(f"if {name}._is_view():")
             src.emit(f"{name} = _non_view({name}, {primals_tuple})", 2)
+        elif isinstance(kind, UserOutput) or in_function:  # not known to be a tensor
+            src.emit(f"{name} = _non_view({name}, {primals_tuple})")
         if written and i in user:
             src.emit(f"{name} = _unaliased({name}, _written)")
     tensors = [name for name, is_tensor in zip(outs, are_tensors) if is_tensor]
