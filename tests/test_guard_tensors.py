@@ -110,3 +110,18 @@ def test_symbolic_sizes_keep_python_conditions():
     assert isinstance(fake.shape[0], torch.SymInt)
     assert guard_tensors.tensor_check([fake]) is None
     assert guard_tensors.tensor_check([torch.randn(3)]) is not None
+
+
+def test_the_check_holds_no_tensor():
+    """The guard outlives calls: it must not keep the caller's tensors alive."""
+    import gc
+    import weakref
+
+    x = _two(torch.randn(3))
+    refs = [weakref.ref(t) for t in (x, x.a, x.b)]
+    f = aot_function(_f, nop)
+    _check(f(x), _f(x))
+    assert "_tensor_check(" in f.fast[0][0].__aotgrad_source__
+    del x
+    gc.collect()
+    assert all(r() is None for r in refs)
