@@ -187,13 +187,15 @@ def refuse_double_backward(*_):
 
 def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> Callable:
     """The generated `run(leaves)` as ONE autograd.Function around the plain run's own generated
-    forward/backward (called with the same ctx): subclass arguments are read attribute by attribute
-    inside its forward, subclass outputs built there; its backward flattens the outputs' gradients,
-    runs the plain backward, and rebuilds the arguments' gradients. Per call that is one
-    Function.apply where the general run has one per argument and output plus the plain one.
+    forward/backward (same ctx): subclass arguments are read attribute by attribute inside its
+    forward, which holds the plain forward's body (`_inline_forward`; else calls it), subclass
+    outputs built there; its backward flattens the outputs' gradients, runs the plain backward, and
+    rebuilds the arguments' gradients. Per call that is one Function.apply where the general run
+    has one per argument and output plus the plain one.
 
         def forward(ctx, l0, ):
-            outs = _plain_fw(ctx, l0.a, l0.b)
+            primals = (l0.a, l0.b, )
+            outs = _fw(list(primals))          # ... the plain forward's body
             return _unflatten({'a': outs[0], 'b': outs[1]}, None, (1,), (1,))
         def backward(ctx, g0):
             gs = _plain_bw(ctx, *_flatten_grad(g0))
