@@ -20,7 +20,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from . import guards, subclass_layout
+from . import guard_tensors, guards, subclass_layout
 from .ambient import any_autocast, autocast_key
 from .errors import UnsupportedAliasingError, UnsupportedInputError
 from .plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
@@ -253,11 +253,10 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
             if type(x) is not torch.Tensor and is_traceable_wrapper_subclass(x):
                 conds += subclass_layout.guard_conditions(x, v, scope, _inner_tensor_conds)
             conds += [
-                f"type({v}) is _T{i}", f"{v}.requires_grad is {x.requires_grad}", f"{v}.shape == _S{i}",
-                f"{v}.stride() == _ST{i}", f"{v}.storage_offset() == {x.storage_offset()}",
-                f"{v}.dtype is _D{i}", f"{v}.device == _DEV{i}",
+                f"type({v}) is _T{i}", f"{v}.storage_offset() == {x.storage_offset()}",
+                guard_tensors.metadata(x, v, f"_S{i}", f"_ST{i}", f"_D{i}", f"_DEV{i}"),
             ]
-            if check_aliasing:
+            if check_aliasing and x.requires_grad:  # without grad it is a leaf (requires_grad is checked)
                 conds.append(f"{v}.is_leaf is {x.is_leaf}")
         elif isinstance(x, _HASHABLE_CONSTANTS):
             scope[f"_C{i}"] = x
@@ -273,6 +272,7 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
             scope["_inner"], scope["_IAK"] = subclass_layout.with_inner_tensors, alias_key(
                 subclass_layout.with_inner_tensors(leaves))
             conds.append("_alias_key(_inner(args)) == _IAK")
+    conds = guard_tensors.resolve(conds, scope)
     src = "def guard(args):\n    return (\n        " + "\n        and ".join(conds) + "\n    )\n"
     exec(compile(src, "<aotgrad guard>", "exec"), scope)
     guard = scope["guard"]
@@ -297,10 +297,10 @@ def _inner_tensor_conds(t: torch.Tensor, v: str, scope: dict) -> list[str]:
     n = len(scope)
     scope[f"_IT{n}"], scope[f"_IS{n}"], scope[f"_IST{n}"] = type(t), t.shape, t.stride()
     scope[f"_ID{n}"], scope[f"_IDEV{n}"] = t.dtype, t.device
+    leaf = [f"{v}.is_leaf is {t.is_leaf}"] if t.requires_grad else []  # without grad it is a leaf
     return [
-        f"type({v}) is _IT{n}", f"{v}.requires_grad is {t.requires_grad}", f"{v}.is_leaf is {t.is_leaf}",
-        f"{v}.shape == _IS{n}", f"{v}.stride() == _IST{n}", f"{v}.storage_offset() == {t.storage_offset()}",
-        f"{v}.dtype is _ID{n}", f"{v}.device == _IDEV{n}",
+        f"type({v}) is _IT{n}", *leaf, f"{v}.storage_offset() == {t.storage_offset()}",
+        guard_tensors.metadata(t, v, f"_IS{n}", f"_IST{n}", f"_ID{n}", f"_IDEV{n}"),
     ]
 
 

@@ -376,21 +376,25 @@ def _emit_as_caller_sees(
     if written and user:
         sid = src.bind("storage_id", storage_id)
         src.emit(f"_written = {{{', '.join(f'{sid}({primals[k]})' for k in sorted(written))}}}")
-    for i, name in enumerate(outs):
-        kind = plan.fw_outputs[i].kind
-        if isinstance(kind, IntermediateBase):
-            src.emit(f"{name} = {name}.detach()")
-        elif isinstance(kind, UserOutput) or in_function:
-            src.emit(f"{name} = _non_view({name}, {primals_tuple})")
-        if written and i in user:
-            src.emit(f"{name} = _unaliased({name}, _written)")
     if compiled.facts is not None:
         are_tensors = compiled.facts.outputs_are_tensors
     else:
         are_tensors = [isinstance(v, torch.Tensor) for v in _output_values(compiled.fw_module)]
+    for i, name in enumerate(outs):
+        kind = plan.fw_outputs[i].kind
+        if isinstance(kind, IntermediateBase):
+            src.emit(f"{name} = {name}.detach()")
+        elif (isinstance(kind, UserOutput) or in_function) and are_tensors[i]:
+            # the view test inline: the common output is no view, and pays no call (nor the tuple)
+            src.emit(f"if {name}._is_view():")
+            src.emit(f"{name} = _non_view({name}, {primals_tuple})", 2)
+        elif isinstance(kind, UserOutput) or in_function:  # not known to be a tensor
+            src.emit(f"{name} = _non_view({name}, {primals_tuple})")
+        if written and i in user:
+            src.emit(f"{name} = _unaliased({name}, _written)")
     tensors = [name for name, is_tensor in zip(outs, are_tensors) if is_tensor]
     if len(tensors) > 1:
-        _emit_distinct(src, _tuple_src(tensors), len(tensors))
+        _emit_distinct(src, tensors)
 
 
 def _written_by_graph(plan: Plan, compiled: CompiledForward) -> frozenset[int]:
@@ -398,11 +402,15 @@ def _written_by_graph(plan: Plan, compiled: CompiledForward) -> frozenset[int]:
     return compiled.written_in_place | {k for k, m in enumerate(plan.mutations) if m.kept_in_graph}
 
 
-def _emit_distinct(src: _Source, outs: str, n: int) -> None:
+def _emit_distinct(src: _Source, names: list[str]) -> None:
     """Give each output its own tensor object. A graph compiler may return one tensor for two
     outputs that are equal aliases (Inductor removes `detach` and `alias`); eager returns two
     objects, and an autograd.Function would mark both non-differentiable if either were."""
-    src.emit(f"if len({{id(o) for o in {outs}}}) < {n}:")
+    outs, n = _tuple_src(names), len(names)
+    if n <= 4:  # a few `is` tests cost less than building a set
+        src.emit(f"if {' or '.join(f'{a} is {b}' for k, a in enumerate(names) for b in names[k + 1:])}:")
+    else:
+        src.emit(f"if len({{id(o) for o in {outs}}}) < {n}:")
     src.emit(f"{outs} = {src.bind('distinct', _distinct_objects)}({outs})", 2)
 
 

@@ -185,15 +185,17 @@ def refuse_double_backward(*_):
     )
 
 
-def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, examples: Sequence[Any]) -> Callable:
+def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> Callable:
     """The generated `run(leaves)` as ONE autograd.Function around the plain run's own generated
-    forward/backward (called with the same ctx): subclass arguments are read attribute by attribute
-    inside its forward, subclass outputs built there; its backward flattens the outputs' gradients,
-    runs the plain backward, and rebuilds the arguments' gradients. Per call that is one
-    Function.apply where the general run has one per argument and output plus the plain one.
+    forward/backward (same ctx): subclass arguments are read attribute by attribute inside its
+    forward, which holds the plain forward's body (`_inline_forward`; else calls it), subclass
+    outputs built there; its backward flattens the outputs' gradients, runs the plain backward, and
+    rebuilds the arguments' gradients. Per call that is one Function.apply where the general run
+    has one per argument and output plus the plain one.
 
         def forward(ctx, l0, ):
-            outs = _plain_fw(ctx, l0.a, l0.b)
+            primals = (l0.a, l0.b, )
+            outs = _fw(list(primals))          # ... the plain forward's body
             return _unflatten({'a': outs[0], 'b': outs[1]}, None, (1,), (1,))
         def backward(ctx, g0):
             gs = _plain_bw(ctx, *_flatten_grad(g0))
@@ -212,7 +214,8 @@ def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, example
     for i, layout in enumerate(boundary.layouts):
         plain += [f"l{i}"] if layout is None else _attr_paths(layout, f"l{i}")
     primals = [plain[s.leaf] for s in plan.layout.primal_sources]
-    fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
+    if not _inline_forward(fw, plain_fn.forward, primals):
+        fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
     outs, grads, nondiff = [], [], []
     for k, o in enumerate(boundary.outputs):
         if type(o).__name__ == "PlainOut":
@@ -280,9 +283,30 @@ def build_fused_run(boundary, run_plain: Callable, fast_apply: Callable, example
     src = _Source()
     src.emit(f"({''.join(f'{x}, ' for x in leaves)}) = leaves")
     names = [f"o{k}" for k in range(len(outs))]
-    src.emit(f"({''.join(f'{x}, ' for x in names)}) = {src.bind('apply', fast_apply(fused))}({', '.join(leaves)})")
+    # Function.apply's Python work (default-argument binding, functorch's dead-wrapper unwrapping)
+    # only where a functorch transform is active; else the C apply, called from here (no wrapper frame)
+    active, slow = src.bind("transforms_active", torch._C._are_functorch_transforms_active), src.bind("apply", fused.apply)
+    direct = src.bind("direct", super(torch.autograd.Function, fused).apply)
+    call = f"({', '.join(leaves)})"
+    src.emit(f"({''.join(f'{x}, ' for x in names)}) = {slow}{call} if {active}() else {direct}{call}")
     src.emit(f"return {_structure(src, boundary.out_spec, names)}")
     return src.build("run", "def run(leaves):")
+
+
+def _inline_forward(fw: _Source, forward: Callable, primals: list[str]) -> bool:
+    """Emit the plain Function's generated forward body into `fw` (its `outs` then holds the plain
+    outputs), so a call makes one Python call less. False, emitting nothing, where its source is not
+    the expected shape or its globals would clash with `fw`'s (emitted first: later names are new)."""
+    lines = getattr(forward, "__aotgrad_source__", "").rstrip("\n").split("\n")
+    if lines[0] != "def forward(ctx, *primals):" or lines[-1] != "    return outs" or fw.lines:
+        return False
+    names = {k: v for k, v in forward.__globals__.items() if k != "__builtins__"}
+    if any(k in fw.globals and fw.globals[k] is not v for k, v in names.items()):
+        return False
+    fw.globals.update(names)
+    fw.emit(f"primals = ({''.join(f'{p}, ' for p in primals)})")
+    fw.lines += lines[1:-1]
+    return True
 
 
 def _plain_start(o) -> int:

@@ -499,7 +499,7 @@ class Boundary:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
         if fusable(self, run_plain, mutated, inner_requires_grad):
-            run = build_fused_run(self, run_plain, _fast_apply, examples)
+            run = build_fused_run(self, run_plain, examples)
             if run is not None:
                 return run
         fns = {"unwrap": _fast_apply(_Unwrap), "spread": _fast_apply(_Spread), "wrap": _fast_apply(_Wrap),
