@@ -21,9 +21,10 @@ differentiable backward, and flattens/rebuilds gradients with the Functions abov
 keeps one reference to its arguments (`ctx.leaves`) where a differentiable backward exists, as the
 plain forward keeps `ctx.primals`; a first-order backward that frees the graph drops it.
 
-Refused (`HigherOrderError`): an incoming second-order gradient of another subclass structure than
-the gradient it differentiates (it cannot be split into that gradient's inner tensors), and a
-create_graph backward through a function compiled without a differentiable backward.
+Refused (`HigherOrderError`): a create_graph backward through a call with a plain argument whose
+gradient is a subclass (`mark_spread`), an incoming second-order gradient of another subclass
+structure than the gradient it differentiates (it cannot be split into that gradient's inner
+tensors), and a create_graph backward through a function compiled without a differentiable backward.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def rebuild_grad(layout: SubclassLayout | None, name: str, grads: Sequence[Any])
 def wrap_backward(site, grad: torch.Tensor) -> tuple:
     """`_Wrap.backward` under create_graph: the output's incoming gradient flattened, recorded (its
     derivative is rebuilt in the output's own layout, the one the gradient was checked against)."""
+    _refuse_spread(site)
     return flatten_grad(site.layout, site.name, grad, site.flatten_grad)
 
 
@@ -155,25 +157,35 @@ def unwrap_argument(site, t: torch.Tensor) -> tuple:
 
 def unwrap_backward(site, grads: Sequence[Any]) -> torch.Tensor | None:
     """`_Unwrap.backward` under create_graph: the argument's gradient rebuilt, recorded."""
+    _refuse_spread(site)
     return rebuild_grad(site.layout if site.tracing else site.grad_layout, site.name, grads)
 
 
-def check_spread(ctx) -> None:
-    """`_Spread.backward`: a plain argument whose gradient is a subclass is one tensor in the trace
-    (its first plain stand-in), where eager's autograd sees it meet each inner tensor apart. The
-    first-order gradient is eager's, but its history runs through the first stand-in only: a
-    second-order gradient of that argument would put every component's share in the first inner
-    tensor. So the backward that created the graph marks the node, and a later backward reaching
-    it (for that argument's higher-order gradient) is refused."""
-    if torch.is_grad_enabled():
-        ctx.created_graph = True
-    elif getattr(ctx, "created_graph", False):
+def mark_spread(boundary) -> None:
+    """A boundary with a plain argument whose gradient is a subclass (`_Spread`): that argument is
+    one tensor in the trace (its first plain stand-in), where eager's autograd sees it meet each
+    inner tensor apart. Its first-order gradient is eager's, but the history of the differentiable
+    backward runs through the first stand-in only, so a second-order gradient would put every
+    component's share in the first inner tensor. Every crossing of this boundary refuses to
+    create a graph (`_refuse_spread`): a backward with create_graph=True always passes one."""
+    if not boundary.spread:
+        return
+    names = ", ".join(f"{s.name} (a plain tensor whose gradient is a {s.layout.describe()})"
+                      for s in boundary.spread.values())
+    sites = [o.site for o in boundary.outputs if type(o).__name__ == "SubclassOut"]
+    sites += [s for _, s in boundary.rebased_at.values()] + list(boundary.sites.values())
+    for site in sites + list(boundary.spread.values()):
+        site.spread_refusal = names
+
+
+def _refuse_spread(site) -> None:
+    names = site.__dict__.get("spread_refusal")
+    if names is not None:
         raise HigherOrderError(
-            f"aotgrad: a higher-order gradient of {ctx.site.name}, a plain tensor whose gradient is a "
-            f"{ctx.site.layout.describe()}: aotgrad traces it as one tensor and cannot split its "
-            "second-order gradient into the subclass's components as eager does. Pass it as a "
-            "subclass (e.g. TwoTensor(y, y)), leave it out of the higher-order gradient, or call the "
-            "function eagerly."
+            f"aotgrad: backward with create_graph=True through a compiled function with {names}: aotgrad "
+            "traces that argument as one tensor and cannot split its higher-order gradients into the "
+            "subclass's components as eager does. Pass it as a subclass (e.g. TwoTensor(y, y.clone())), "
+            "or call the function eagerly where you need higher-order gradients."
         )
 
 

@@ -187,11 +187,6 @@ class _Spread(_Unwrap):
         ctx.site = site
         return tuple(t.detach() for _ in range(site.layout.num_plain))
 
-    @staticmethod
-    def backward(ctx, *grads):
-        subclass_higher.check_spread(ctx)  # a second order through it is refused (subclass_higher.py)
-        return _Unwrap.backward(ctx, *grads)
-
 
 class NeedsGradSpread(AotgradError):
     """Internal: plain argument `leaf` gets a subclass gradient; compile again with it spread."""
@@ -510,6 +505,7 @@ class Boundary:
         for o in self.outputs:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
+        subclass_higher.mark_spread(self)
         if fusable(self, run_plain, mutated, inner_requires_grad):
             run = build_fused_run(self, run_plain, _fast_apply, examples)
             if run is not None:
