@@ -316,3 +316,25 @@ def test_fuzzer_second_order_with_two_tensor_inputs():
                 for k in range(12)]
     assert not [o for o in outcomes if o.kind in ("crashed", "mismatched")], outcomes
     assert sum(o.kind == "matched" for o in outcomes) >= 2, outcomes
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_structurally_zero_second_order_gradient_is_eagers_zero_tensor(fused):
+    # fuzz (--order 2 --subclass, seed 0, programs 128/472/704/953): the second derivative of abs is
+    # autograd's efficient ZeroTensor, which eager's formula makes at the subclass level: a plain
+    # ZeroTensor, not a TwoTensor of zeros
+    def f(x):
+        return x.abs() if fused else x.abs().t()
+
+    x = two(2, 2)
+    xe = _clone(x)
+    compiled = aotgrad.aot_function(f, nop)
+    (g,) = torch.autograd.grad((compiled(x) * 3).sum(), x, create_graph=True)
+    (ge,) = torch.autograd.grad((f(xe) * 3).sum(), xe, create_graph=True)
+    assert _fused(compiled) == fused
+    assert_same(g, ge, "first")
+    (s,) = torch.autograd.grad((g * g).sum(), x)
+    (se,) = torch.autograd.grad((ge * ge).sum(), xe)
+    assert type(se) is torch.Tensor and se._is_zerotensor()
+    assert_same(s, se, "second")
+    assert s._is_zerotensor()

@@ -123,10 +123,25 @@ def flatten_grad(layout: SubclassLayout, name: str, grad: torch.Tensor,
     return tuple(flatten_fn(grad))
 
 
+def structural_zero(layout: SubclassLayout, grads: Sequence[Any]) -> torch.Tensor | None:
+    """Autograd's structurally zero gradient (an efficient ZeroTensor: `sgn`'s derivative, so the
+    second derivative of `abs`) for every inner tensor: eager's formula made it at the subclass
+    level, a plain ZeroTensor of the outer size, never a subclass; give the same. Else None."""
+    if not grads or not all(isinstance(g, torch.Tensor) and g._is_zerotensor() for g in grads):
+        return None
+    if layout.symbolic:
+        return None
+    g = grads[0]
+    return torch._efficientzerotensor(layout.outer_size, dtype=g.dtype, device=g.device)
+
+
 def rebuild_grad(layout: SubclassLayout | None, name: str, grads: Sequence[Any]) -> torch.Tensor | None:
     """The plain gradients as one subclass gradient of `layout`, recorded under grad mode."""
     if layout is None:
         return None
+    zero = structural_zero(layout, grads)
+    if zero is not None:
+        return zero
     if torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
         return _RebuildGrad.apply(layout, name, *grads)
     return rebuild(layout, grads)

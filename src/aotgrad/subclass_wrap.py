@@ -112,6 +112,10 @@ class _Site:
         layout = self.layout if self.tracing else self.grad_layout
         if layout is None:
             return None
+        if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass_higher.py)
+            zero = subclass_higher.structural_zero(layout, grads)
+            if zero is not None:
+                return zero
         return rebuild(layout, grads)
 
 
