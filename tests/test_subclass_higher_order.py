@@ -338,3 +338,23 @@ def test_structurally_zero_second_order_gradient_is_eagers_zero_tensor(fused):
     assert type(se) is torch.Tensor and se._is_zerotensor()
     assert_same(s, se, "second")
     assert s._is_zerotensor()
+
+
+def test_forces_inside_the_compiled_function():
+    # autograd.grad(create_graph=True) inside the program (forces = -dE/dx), then the training loss's
+    # backward into the TwoTensor parameters: a first-order backward of a second-order program
+    def forces(x, w):
+        energy = ((x * w).sin() * x).sum()
+        (g,) = torch.autograd.grad(energy, x, create_graph=True)
+        return -g
+
+    def step(fn, x, w):
+        f = fn(x, w)
+        (f * f).sum().backward()
+        return f
+
+    make = [two(3), two(3, seed=1)]
+    ours = [_clone(t) for t in make]
+    assert_same(step(aotgrad.aot_function(forces, nop), *ours), step(forces, *make), "forces")
+    for k, (a, b) in enumerate(zip(ours, make)):
+        assert_same(a.grad, b.grad, f"grad of input {k}")

@@ -16,7 +16,7 @@ they are the crossing, the identity on inner tensors, not a cut.
 The fused run (one autograd.Function per call, subclass_runtime.build_fused_run) reads its
 arguments' inner tensors inside its forward, so its plain graph inputs have no history linking them
 to the caller's subclasses. Under grad mode its backward (`FusedDoubleBackward`) unwraps the
-arguments again through `_Unwrap` (recorded), hands those as the plain run's primals to the plain
+arguments again, recorded (`unwrap_argument`), hands those as the plain run's primals to the plain
 differentiable backward, and flattens/rebuilds gradients with the Functions above. The forward
 keeps one reference to its arguments (`ctx.leaves`) where a differentiable backward exists, as the
 plain forward keeps `ctx.primals`; a first-order backward that frees the graph drops it.
