@@ -358,3 +358,43 @@ def test_forces_inside_the_compiled_function():
     assert_same(step(aotgrad.aot_function(forces, nop), *ours), step(forces, *make), "forces")
     for k, (a, b) in enumerate(zip(ours, make)):
         assert_same(a.grad, b.grad, f"grad of input {k}")
+
+
+def test_dtensor_parameters_gradient_penalty_one_rank():
+    # DTensor parameters (Shard/Replicate) and a Replicate DTensor input on a one-rank gloo mesh
+    import datetime
+
+    import torch.distributed as dist
+    from test_subclass_dtensor import _free_port
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def model():
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+            for name, p in list(m.named_parameters()):
+                mod, attr = name.rsplit(".", 1)
+                placements = [Shard(0)] if attr == "weight" else [Replicate()]
+                setattr(m.get_submodule(mod), attr, nn.Parameter(distribute_tensor(p.detach().clone(), mesh, placements)))
+            return m
+
+        data = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+        grads = []
+        for compiled in (False, True):
+            m = model()
+            x = distribute_tensor(data.clone(), mesh, [Replicate()]).requires_grad_()
+            _penalty_step(aotgrad.aot_module(m, nop) if compiled else m, x)
+            assert all(type(p.grad) is DTensor for p in m.parameters())
+            grads.append([p.grad.full_tensor() for p in m.parameters()] + [x.grad.full_tensor()])
+        for k, (a, b) in enumerate(zip(*grads)):
+            torch.testing.assert_close(b, a, msg=f"grad {k}")
+    finally:
+        dist.destroy_process_group()
