@@ -125,12 +125,12 @@ class _Wrap(torch.autograd.Function):
         ctx.site = site
         if site.tracing:  # its detaches tagged for a differentiable backward (subclass_higher.py)
             return subclass_higher.crossing(_Wrap._forward, site, plains)
-        return _Wrap._forward(site, plains)
+        # inner tensors without grad kept as they are: a NestedTensor output then shares its
+        # argument's offsets, hence its nested int, as in eager
+        return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
 
     @staticmethod
     def _forward(site: _Site, plains):
-        # inner tensors without grad kept as they are: a NestedTensor output then shares its
-        # argument's offsets, hence its nested int, as in eager
         return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
 
     @staticmethod
