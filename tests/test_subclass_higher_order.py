@@ -398,3 +398,15 @@ def test_dtensor_parameters_gradient_penalty_one_rank():
             torch.testing.assert_close(b, a, msg=f"grad {k}")
     finally:
         dist.destroy_process_group()
+
+
+def test_mutated_input_refusal_names_the_callers_argument():
+    # the plain pipeline refuses a second derivative through an input mutated in place; named as the
+    # caller passed it (input 1), not as the flattened plain input (input 2)
+    def f(x, y):
+        return x.sin() * y.mul_(2)
+
+    compiled = aotgrad.aot_function(f, nop)
+    x, y = two(3), torch.randn(3, dtype=D)
+    with pytest.raises(HigherOrderError, match=r"mutates input 1 in place"):
+        torch.autograd.grad(compiled(x, y).sum(), x, create_graph=True)

@@ -204,6 +204,25 @@ def _refuse_spread(site) -> None:
         )
 
 
+def name_mutated_inputs(boundary, compiled) -> None:
+    """The plain run's refusals of inputs it mutated (higher_order.py) name the caller's argument,
+    not the flattened plain input: `input 1 (inner tensor 0 of a TwoTensor(...))`."""
+    higher = getattr(compiled, "higher_order", None)
+    if higher is None or not higher.mutated:
+        return
+    named = {}
+    for k, name in higher.mutated.items():
+        named[k] = name
+        plain = int(name[6:]) if name.startswith("input ") and name[6:].isdigit() else None
+        for i, (start, stop) in enumerate(boundary.ranges):
+            if plain is not None and start <= plain < stop:
+                layout = boundary.layouts[i]
+                named[k] = (f"input {i}" if layout is None
+                            else f"input {i} (inner tensor {plain - start} of a {layout.describe()})")
+                break
+    higher.mutated = named
+
+
 # ---------------------------------------------------------------------------------------------
 # The fused run's backward under grad mode
 

@@ -678,6 +678,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
+    subclass_higher.name_mutated_inputs(boundary, getattr(run_plain, "compiled", None))
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
     inner: list = []
