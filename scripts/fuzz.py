@@ -11,6 +11,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --n 500 --backend aotgrad_eager --reference aot_eager   # through torch.compile
     python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.fuzz_order2)
     python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.fuzz_subclass)
+    python scripts/fuzz.py --n 1000 --order 2 --subclass   # both
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def main(argv=None) -> int:
         from aotgrad import fuzz_order2
 
         check_program = fuzz_order2.check_program
+        if args.subclass:  # second order with TwoTensor inputs
+            import functools
+
+            from aotgrad import fuzz_subclass
+
+            check_program = functools.partial(fuzz_order2.check_program,
+                                              wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
 
     if args.show is not None:
         print(fuzz.generate(args.seed, args.show).reproducer())

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .errors import HigherOrderError
 from .plan import FromLeaf, GraphOutput, UserOutput
 from .runtime import _Source, _structure, _unreached_when_none, make_autograd_function
+from .subclass_higher import FusedDoubleBackward
 from .subclass_layout import Opaque, SubclassLayout
 
 
@@ -177,14 +177,6 @@ def _without_gradient(o, plan) -> bool:
     return not any(plan.fw_outputs[o.start + j].differentiable for j in range(o.site.layout.num_plain))
 
 
-def refuse_double_backward(*_):
-    raise HigherOrderError(
-        "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled function "
-        "with tensor subclass arguments or outputs: not supported. Run it eagerly where you need "
-        "higher-order gradients, or call backward without create_graph."
-    )
-
-
 def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> Callable:
     """The generated `run(leaves)` as ONE autograd.Function around the plain run's own generated
     forward/backward (same ctx): subclass arguments are read attribute by attribute inside its
@@ -216,6 +208,9 @@ def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> C
     primals = [plain[s.leaf] for s in plan.layout.primal_sources]
     if not _inline_forward(fw, plain_fn.forward, primals):
         fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
+    higher = run_plain.compiled.higher_order is not None
+    if higher:  # for a create_graph=True backward (subclass_higher.py); one reference, no copy
+        fw.emit(f"ctx.leaves = ({''.join(f'{x}, ' for x in leaves)})")
     outs, grads, nondiff = [], [], []
     for k, o in enumerate(boundary.outputs):
         if type(o).__name__ == "PlainOut":
@@ -236,10 +231,15 @@ def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> C
         fw.emit(f"ctx.mark_non_differentiable(*getattr(ctx, 'non_differentiable', ()), {', '.join(nondiff)})")
     fw.emit(f"return {''.join(['('] + [f'{x}, ' for x in outs] + [')'])}")
     forward = fw.build("forward", f"def forward(ctx, {''.join(f'{x}, ' for x in leaves)}):")
+    # create_graph=True: a backward autograd records (subclass_higher.py), over the arguments it keeps
+    double = FusedDoubleBackward(boundary, plan, plain_fn.backward, higher)
     bw.emit(f"if {bw.bind('grad_enabled', torch.is_grad_enabled)}():")
-    bw.emit(f"{bw.bind('refuse', refuse_double_backward)}()", 2)
+    bw.emit(f"return {bw.bind('double', double)}(ctx, {''.join(f'g{k}, ' for k in range(len(outs)))})", 2)
     order = sorted(range(len(boundary.outputs)), key=lambda k: _plain_start(boundary.outputs[k]))
     bw.emit(f"gs = {bw.bind('plain_bw', plain_fn.backward)}(ctx, {''.join(grads[k] for k in order)})")
+    if higher:  # the plain backward let go of its inputs (the graph is freed): so do we
+        bw.emit("if ctx.primals is None:")
+        bw.emit("ctx.leaves = None", 2)
     primal_of = {s.leaf: k for k, s in enumerate(plan.layout.primal_sources)}
     returned: list[str] = []
     pos = 0

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import analysis, nested_jagged, subclass_symbolic
+from . import analysis, nested_jagged, subclass_higher, subclass_symbolic
 from .errors import (
     AotgradError,
     InplaceOnLeafError,
@@ -42,7 +42,7 @@ from .errors import (
 from .plan import FromLeaf, ViewChain
 from .subclass_graphs import with_folded_detaches
 from .subclass_layout import SubclassLayout, flatten, is_subclass, layout_of, rebuild, same_structure
-from .subclass_runtime import build_fused_run, build_run, fusable, refuse_double_backward
+from .subclass_runtime import build_fused_run, build_run, fusable
 from .subclass_sizes import integer_positions, sizes_match
 from .subclass_trace_rules import SubclassTraceRules
 
@@ -112,27 +112,31 @@ class _Site:
         layout = self.layout if self.tracing else self.grad_layout
         if layout is None:
             return None
+        if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass_higher.py)
+            zero = subclass_higher.structural_zero(layout, grads)
+            if zero is not None:
+                return zero
         return rebuild(layout, grads)
-
-
-def _refuse_double_backward(site: _Site) -> None:
-    """At run time, a backward under create_graph=True: the boundary's gradients would have no
-    history (the compiled plain backward's second order is not carried across it)."""
-    if not site.tracing and torch.is_grad_enabled():
-        refuse_double_backward()
 
 
 class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
         ctx.site = site
+        if site.tracing:  # its detaches tagged for a differentiable backward (subclass_higher.py)
+            return subclass_higher.crossing(_Wrap._forward, site, plains)
         # inner tensors without grad kept as they are: a NestedTensor output then shares its
         # argument's offsets, hence its nested int, as in eager
         return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
 
     @staticmethod
+    def _forward(site: _Site, plains):
+        return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
+
+    @staticmethod
     def backward(ctx, grad):
-        _refuse_double_backward(ctx.site)
+        if torch.is_grad_enabled():  # create_graph=True: flattened as autograd records (subclass_higher.py)
+            return (None, *subclass_higher.wrap_backward(ctx.site, grad))
         return (None, *ctx.site.flatten_grad(grad))
 
 
@@ -140,6 +144,12 @@ class _Unwrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, t):
         ctx.site = site
+        if site.tracing:  # its detaches tagged for a differentiable backward (subclass_higher.py)
+            return subclass_higher.crossing(_Unwrap._forward, ctx, site, t)
+        return _Unwrap._forward(ctx, site, t)
+
+    @staticmethod
+    def _forward(ctx, site: _Site, t):
         plains: list = []
         flatten(t, site.layout, plains)
         # aliases: the caller's inner tensors keep their autograd state; integer ones (a NestedTensor's
@@ -154,10 +164,11 @@ class _Unwrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        _refuse_double_backward(ctx.site)
         kept = getattr(ctx, "kept_inner", None)
         if kept is not None:
             grads = [g if m is None else m for g, m in zip(grads, kept)]
+        if torch.is_grad_enabled():  # create_graph=True: rebuilt as autograd records (subclass_higher.py)
+            return None, subclass_higher.unwrap_backward(ctx.site, grads)
         return None, ctx.site.rebuild_grad(grads)
 
 
@@ -168,7 +179,7 @@ class _Gather(_Wrap):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
         ctx.site = site
-        return plains[0].detach()
+        return subclass_higher.crossing(plains[0].detach) if site.tracing else plains[0].detach()
 
 
 class _Spread(_Unwrap):
@@ -498,6 +509,7 @@ class Boundary:
         for o in self.outputs:
             if isinstance(o, SubclassOut):
                 o.site.tracing = False
+        subclass_higher.mark_spread(self)
         if fusable(self, run_plain, mutated, inner_requires_grad):
             run = build_fused_run(self, run_plain, examples)
             if run is not None:
@@ -666,6 +678,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
+    subclass_higher.name_mutated_inputs(boundary, getattr(run_plain, "compiled", None))
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
     inner: list = []
