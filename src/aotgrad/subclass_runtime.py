@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import subclass_metadata
 from .errors import HigherOrderError
 from .plan import FromLeaf, GraphOutput, UserOutput
 from .runtime import _Source, _structure, _unreached_when_none, make_autograd_function
@@ -93,7 +94,9 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
             plain += names
         else:
             plain += _attr_paths(layout, f"l{i}")
+    subclass_metadata.emit_prologue(src, boundary.relayouts)
     src.emit(f"r = {src.bind('plain', run_plain)}([{', '.join(plain)}])")
+    subclass_metadata.emit_epilogue(src, boundary.relayouts)
     for i, (start, site) in sorted(boundary.rebased_at.items()):  # written in grad mode: as eager's
         values = ", ".join(f"r[{start + j}]" for j in range(site.layout.num_plain))
         src.emit(f"{src.bind('rebase', _Rebase.apply)}(l{i}, {src.bind('wrap', wrap)}({src.bind('site', site)}, {values}))")
@@ -161,7 +164,7 @@ def fusable(boundary, run_plain: Callable, mutated: Sequence[int], inner_require
     """Whether `build_fused_run` can serve this signature; else the general run (`build_run`)."""
     return (
         torch.is_grad_enabled() and not mutated and not boundary.spread and not inner_requires_grad
-        and not boundary.rebased_at
+        and not boundary.rebased_at and not boundary.relayouts
         and all(boundary.first.get(i, i) == i for i in range(len(boundary.layouts)))
         and all(type(o).__name__ in ("PlainOut", "SubclassOut") for o in boundary.outputs)
         and len(boundary.outputs) == boundary.num_user

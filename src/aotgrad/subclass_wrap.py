@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import analysis, nested_jagged, subclass_symbolic
+from . import analysis, nested_jagged, subclass_metadata, subclass_symbolic
 from .errors import (
     AotgradError,
     InplaceOnLeafError,
@@ -258,6 +258,7 @@ class Boundary:
     num_plain_outputs: int = 0
     bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
     unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
+    relayouts: dict = field(default_factory=dict)  # argument -> its metadata after the call (subclass_metadata)
     num_user: int = 0
     out_spec: Any = None
 
@@ -307,7 +308,7 @@ class Boundary:
 
     def plain_function(self, fn: Callable) -> Callable:
         def fn_plain(*plain):
-            leaves, rebuilt = [], {}
+            leaves, rebuilt, inner_of = [], {}, {}
             for i, lay in enumerate(self.layouts):
                 start, stop = self.ranges[i]
                 if i in self.spread:
@@ -327,6 +328,7 @@ class Boundary:
                 else:
                     t = rebuild(lay, inner)
                 rebuilt[id(t)] = i
+                inner_of[i] = subclass_metadata.plain_tensors(t, lay)  # to tell they stay the same objects
                 leaves.append(t)
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
             before = {i: _state(leaves[i]) for i in rebuilt.values()}
@@ -342,8 +344,13 @@ class Boundary:
                         f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) in a call with tensor "
                         "subclass arguments; the subclass stage does not replay it. Use the out-of-place op "
                         "and return the result, or run this part eagerly.")
+            self.relayouts = {}
             for i, state in before.items():
-                _check_state(i, self.layouts[i], state, _state(leaves[i]))
+                after = _state(leaves[i])
+                if after[0] != state[0]:  # t_(), unsqueeze_()...: replayed after each call
+                    self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i], state, after)
+                    state = (after[0], *state[1:])
+                _check_state(i, self.layouts[i], state, after)
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
             self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
             # written in grad mode: autograd rebased the argument's history (subclass_runtime._Rebase)
@@ -363,7 +370,8 @@ class Boundary:
         values: list = []
         self.rebased_at = {}
         for i in sorted(self.rebased):
-            site = _Site(self.layouts[i], f"input {i}")
+            lay = layout_of(leaves[i]) if i in self.relayouts else self.layouts[i]  # refused later if relayouted
+            site = _Site(lay, f"input {i}")
             self.rebased_at[i] = (self.num_plain_outputs + len(values), site)
             values += [p.clone() for p in _Unwrap.apply(site, leaves[i])]
         return tuple(values)
@@ -439,13 +447,15 @@ class Boundary:
                     f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass input "
                     "autograd history. Return the value instead."
                 )
-            if not isinstance(src, FromLeaf) or m.metadata or m.storage or m.in_backward:
+            if not isinstance(src, FromLeaf) or m.storage or m.in_backward:  # metadata: subclass_metadata
                 raise UnsupportedMutationError(
                     f"aotgrad: the program changes the metadata or storage of subclass input {i} "
                     f"({self.layouts[i].describe()}) in place (or writes it in the backward, or it shares "
                     "memory with another input); aotgrad cannot express that on the subclass's inner "
                     "tensors. Return the new value instead."
                 )
+            if m.metadata and i not in self.relayouts:  # restrided back where it was: versions only
+                self.relayouts[i] = subclass_metadata.versions_only(i, self.layouts[i])
             mutated.add(i)
             if m.data:
                 written.add(i)
@@ -665,6 +675,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
                 raise
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
+    subclass_metadata.refuse_new_history(boundary.relayouts, leaves)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
