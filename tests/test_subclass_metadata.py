@@ -26,15 +26,17 @@ from aotgrad.subclass_layout import is_subclass
 # Comparison with eager, level by level
 
 
-def _snapshot(x, storages=None):
-    """Everything eager lets a caller see of tensor `x` (a subclass: every level)."""
+def _snapshot(x, storages=None, layout=True):
+    """Everything eager lets a caller see of tensor `x` (a subclass: every level); `layout=False`:
+    not strides and versions (gradients: their layout is autograd's choice, as for plain programs)."""
     if not isinstance(x, torch.Tensor):
         return ("value", x)
-    out = [type(x).__name__, tuple(x.shape), tuple(x.stride()), x.storage_offset(), x._version, x.requires_grad,
-           x.is_leaf, x.grad_fn is None]
+    out = [type(x).__name__, tuple(x.shape), x.requires_grad, x.is_leaf, x.grad_fn is None]
+    if layout:
+        out += [tuple(x.stride()), x.storage_offset(), x._version]
     if is_subclass(x):
         attrs, ctx = x.__tensor_flatten__()
-        out += [(a, _snapshot(getattr(x, a), storages)) for a in attrs]
+        out += [(a, _snapshot(getattr(x, a), storages, layout)) for a in attrs]
     else:
         out.append(x.detach().clone())
         if storages is not None:
@@ -83,20 +85,27 @@ def _two(shape, requires_grad=False, nonleaf=False, nested=False, seed=0):
 
 
 def run_both(f, make, grad_mode=True, calls=2):
-    """`f` eagerly and compiled on equal inputs, `calls` times (the later calls take the cached path)."""
+    """`f` eagerly and compiled on equal inputs, `calls` times (the later calls take the cached path).
+    `make()` gives (root, x) (`root`: the leaf requiring grad x comes from, or None) or (roots, args)."""
     compiled = aotgrad.aot_function(f, nop)
     for _ in range(calls):
         results = []
         for fn in (f, compiled):
-            root, x = make()
-            storages = _storages(x)
+            roots, args = make()
+            roots = [] if roots is None else list(roots) if isinstance(roots, (list, tuple)) else [roots]
+            args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
+            storages: dict = {}
+            for a in args:
+                _storages(a, storages)
             with contextlib.nullcontext() if grad_mode else torch.no_grad():
-                out = fn(x)
-            loss = sum(o.sum() for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad)
-            grad = None
-            if root is not None and isinstance(loss, torch.Tensor):
-                (grad,) = torch.autograd.grad(loss, root)
-            results.append(([_snapshot(o) for o in pytree.tree_leaves(out)], _snapshot(x, storages), None if grad is None else _snapshot(grad)))
+                out = fn(*args)
+            # one loss per output: each output's gradient of its own type
+            losses = [o.sum() for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = []
+            if roots and losses:
+                grads = torch.autograd.grad(losses, roots, allow_unused=True)
+            results.append(([_snapshot(o) for o in pytree.tree_leaves(out)], [_snapshot(a, storages) for a in args],
+                            [_snapshot(g, layout=False) if g is not None else None for g in grads]))
         (oe, xe, ge), (oc, xc, gc) = results
         _same(oe, oc, "output")
         _same(xe, xc, "argument after the call")
@@ -203,5 +212,48 @@ def test_nonleaf_requiring_grad_in_grad_mode_refused_by_name():
         aotgrad.aot_function(f, nop)(_two((2, 3), requires_grad=True, nonleaf=True)[1])
 
 
-def test_refusals_are_aotgrad_errors():
-    assert issubclass(UnsupportedMutationError, AotgradError)
+def test_plain_argument_whose_gradient_is_a_subclass_refused_by_name():
+    """Passed as aliases per plain gradient (`_Spread`): its metadata mutation is not carried back."""
+    def f(y, x):
+        y.t_()
+        return y * x.t()
+
+    def make():
+        root, x = _two((2, 3))
+        y = torch.randn(2, 3, requires_grad=True)
+        return [y], (y * 1, x)
+
+    make()[1][0].t_()  # eager allows it (a non-leaf)
+    with pytest.raises(AotgradError, match="input 0 .*gradient is a tensor subclass"):
+        aotgrad.aot_function(f, nop)(*make()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain argument's metadata mutation beside a subclass argument: the plain run replays it
+
+
+@pytest.mark.parametrize("case", ["plain", "nonleaf_requiring_grad"])
+def test_metadata_mutation_of_plain_argument_beside_a_subclass(case):
+    def f(x, y):
+        y.t_()
+        return x * 2, y, y.sum(0)
+
+    def make():
+        root, x = _two((2, 3), requires_grad=True)
+        y = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        if case == "plain":
+            return [root], (x, y)
+        y.requires_grad_()
+        return [root, y], (x, y * 1)
+
+    run_both(f, make)
+
+
+def test_metadata_mutation_under_no_grad_of_plain_leaf_requiring_grad_refused_as_without_subclasses():
+    def f(x, y):
+        with torch.no_grad():
+            y.t_()
+        return x * 2, y * 1
+
+    with pytest.raises(UnsupportedMutationError, match="t_.*under no_grad on a leaf"):
+        aotgrad.aot_function(f, nop)(_two((2, 3))[1], torch.randn(3, 4, requires_grad=True))

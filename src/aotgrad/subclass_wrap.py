@@ -333,16 +333,17 @@ class Boundary:
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
             before = {i: _state(leaves[i]) for i in rebuilt.values()}
             versions = {i: leaves[i]._version for i in rebuilt.values()}
-            plain_meta = {i: _layout_of_plain(t) for i, t in enumerate(leaves)
-                          if self.layouts[i] is None and isinstance(t, torch.Tensor) and not is_subclass(t)}
+            # a plain argument passed as is gets its metadata mutation replayed by the plain run; one whose
+            # gradient is a subclass (`_Spread`) is passed as detached aliases, which do not carry it back
+            plain_meta = {i: _layout_of_plain(leaves[i]) for i in self.spread}
             with SubclassTraceRules(rebuilt):
                 out = fn(*args, **kwargs)
             for i, meta in plain_meta.items():
                 if _layout_of_plain(leaves[i]) != meta:
                     raise UnsupportedMutationError(
                         f"aotgrad: the program changes the metadata of input {i} ({tuple(meta[0])} -> "
-                        f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) in a call with tensor "
-                        "subclass arguments; the subclass stage does not replay it. Use the out-of-place op "
+                        f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) and its gradient is a "
+                        "tensor subclass; the subclass stage does not replay it there. Use the out-of-place op "
                         "and return the result, or run this part eagerly.")
             self.relayouts = {}
             for i, state in before.items():
