@@ -13,9 +13,11 @@ changed it: `as_strided_` below ADInplaceOrView (no autograd, no version bump), 
 Python dispatch. The plain run may already have restrided the caller's inner tensors (its own
 epilogue for the plain primals); their version counters are then put back to eager's.
 
-Refused by name: a metadata mutation that gives the argument new autograd history (a non-leaf
-requiring grad changed in grad mode), symbolic sizes, and subclasses whose in-place ops replace
-their inner tensors instead of changing them.
+In grad mode a non-leaf requiring grad gets new history from the op (eager's `TBackward`): it is
+rebased as for a data write (`subclass_runtime._Rebase`, after the metadata is set), with the same
+limits (not a view, not viewed by an output...: subclass_wrap.Boundary.refuse_grad_mutations); a
+leaf requiring grad is refused as eager refuses it. Refused by name here: symbolic sizes, and
+subclasses whose in-place ops replace their inner tensors instead of changing them.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ class ArgumentRelayout:
     leaf: int
     levels: tuple[Relayout, ...]
     inner_paths: tuple[tuple[str, ...], ...]  # the plain inner tensors: version counters put back
-    history: bool = False  # the op gave it new autograd history (refused unless eager refuses it)
 
 
 def _levels(t: torch.Tensor, layout: SubclassLayout, path: tuple[str, ...], out: list) -> None:
@@ -92,11 +93,11 @@ def inner_paths(layout: SubclassLayout, path: tuple[str, ...] = ()) -> list[tupl
     return out
 
 
-def record(i: int, layout: SubclassLayout, t: torch.Tensor, inner: Sequence[torch.Tensor],
-           before: tuple, after: tuple) -> ArgumentRelayout:
-    """After the trace: subclass argument `i` (traced as `t` over plain `inner`) changed metadata in
-    place. `before`/`after` are subclass_wrap._state (metadata, requires_grad, grad_fn). Refuse what
-    the run time cannot set on the caller's subclass as eager does; else its final metadata."""
+def record(i: int, layout: SubclassLayout, t: torch.Tensor, inner: Sequence[torch.Tensor]) -> ArgumentRelayout:
+    """After the trace: subclass argument `i` (traced as `t` over `inner`, its inner tensors before the
+    program) changed metadata in place. Refuse what the run time cannot set on the caller's subclass
+    as eager does; else its final metadata. (New autograd history from the op, in grad mode, is
+    rebased as for a data write: subclass_wrap.Boundary._rebased_values, subclass_runtime._Rebase.)"""
     name = f"subclass input {i} ({layout.describe()})"
     now = plain_tensors(t, layout)
     if len(now) != len(inner) or any(a is not b for a, b in zip(now, inner)):
@@ -114,30 +115,13 @@ def record(i: int, layout: SubclassLayout, t: torch.Tensor, inner: Sequence[torc
             "op and return the result, or mark the sizes static."
         )
     log.debug("aotgrad: metadata of %s replayed after each call: %s", name, levels[-1])
-    history = after[1] != before[1] or after[2] is not before[2]
-    return ArgumentRelayout(i, tuple(levels), tuple(inner_paths(layout)), history)
+    return ArgumentRelayout(i, tuple(levels), tuple(inner_paths(layout)))
 
 
 def versions_only(i: int, layout: SubclassLayout) -> ArgumentRelayout:
     """An argument whose inner tensors the plain run restrides back to where they were (`t_().t_()`):
     only their version counters to put back."""
     return ArgumentRelayout(i, (), tuple(inner_paths(layout)))
-
-
-def refuse_new_history(relayouts: dict[int, ArgumentRelayout], leaves: Sequence) -> None:
-    """A metadata mutation in grad mode of a non-leaf requiring grad gives it new history in eager
-    (`TBackward`), which the flattened run time does not give a subclass. (A leaf requiring grad is
-    refused as eager refuses it: subclass_wrap.Boundary.refuse_grad_mutations.)"""
-    for i, r in relayouts.items():
-        x = leaves[i]
-        if r.history and not (x.requires_grad and x.is_leaf):
-            raise UnsupportedMutationError(
-                f"aotgrad: the program changes the metadata of subclass input {i} ({type(x).__name__}) in "
-                "place (t_(), transpose_(), unsqueeze_()...) in grad mode while it requires grad, which gives "
-                "it new autograd history; aotgrad replays a subclass's metadata mutation only without that "
-                "(an input not requiring grad, or the op under torch.no_grad()). Use the out-of-place op "
-                "and return the result."
-            )
 
 
 def set_metadata(t: torch.Tensor, size, stride, offset: int, wrapper: bool) -> None:

@@ -349,7 +349,7 @@ class Boundary:
             for i, state in before.items():
                 after = _state(leaves[i])
                 if after[0] != state[0]:  # t_(), unsqueeze_()...: replayed after each call
-                    self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i], state, after)
+                    self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i])
                     state = (after[0], *state[1:])
                 _check_state(i, self.layouts[i], state, after)
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
@@ -460,7 +460,8 @@ class Boundary:
             mutated.add(i)
             if m.data:
                 written.add(i)
-        self.unclear_history |= self.rebased - written  # in-place metadata ops only (transpose_(0, 0))
+        # in-place metadata ops only, not replayed (transpose_(0, 0)); replayed ones: subclass_metadata
+        self.unclear_history |= self.rebased - written - set(self.relayouts)
         return sorted(mutated | self.bumped)
 
     def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int], plan=None) -> None:
@@ -676,7 +677,6 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
                 raise
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
-    subclass_metadata.refuse_new_history(boundary.relayouts, leaves)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
