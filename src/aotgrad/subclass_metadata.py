@@ -23,13 +23,13 @@ subclasses whose in-place ops replace their inner tensors instead of changing th
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .errors import UnsupportedMutationError
+from .errors import UnsupportedMutationError, UnsupportedOutputError
 from .subclass_layout import Opaque, SubclassLayout
 
 log = logging.getLogger("aotgrad.subclass.metadata")
@@ -54,6 +54,7 @@ class ArgumentRelayout:
     leaf: int
     levels: tuple[Relayout, ...]
     inner_paths: tuple[tuple[str, ...], ...]  # the plain inner tensors: version counters put back
+    before: tuple | None = None  # (size, stride, offset) before the program: the argument's, then its plain inner tensors'
 
 
 def _levels(t: torch.Tensor, layout: SubclassLayout, path: tuple[str, ...], out: list) -> None:
@@ -93,7 +94,8 @@ def inner_paths(layout: SubclassLayout, path: tuple[str, ...] = ()) -> list[tupl
     return out
 
 
-def record(i: int, layout: SubclassLayout, t: torch.Tensor, inner: Sequence[torch.Tensor]) -> ArgumentRelayout:
+def record(i: int, layout: SubclassLayout, t: torch.Tensor, inner: Sequence[torch.Tensor],
+           before: tuple) -> ArgumentRelayout:
     """After the trace: subclass argument `i` (traced as `t` over `inner`, its inner tensors before the
     program) changed metadata in place. Refuse what the run time cannot set on the caller's subclass
     as eager does; else its final metadata. (New autograd history from the op, in grad mode, is
@@ -115,7 +117,20 @@ def record(i: int, layout: SubclassLayout, t: torch.Tensor, inner: Sequence[torc
             "op and return the result, or mark the sizes static."
         )
     log.debug("aotgrad: metadata of %s replayed after each call: %s", name, levels[-1])
-    return ArgumentRelayout(i, tuple(levels), tuple(inner_paths(layout)))
+    return ArgumentRelayout(i, tuple(levels), tuple(inner_paths(layout)), before)
+
+
+def chain_before(relayout: ArgumentRelayout | None, chain: Callable) -> tuple | None:
+    """A view output of an argument taken before the program changed the argument's metadata: its
+    view chain on the argument as it was (`chain(meta)`: subclass_wrap._chain, which checks that the
+    replay gives the view's own size/stride/offset), or None. The run time replays it before it sets
+    the new metadata (`emit_epilogue`), as the view was taken in eager."""
+    if relayout is None or relayout.before is None:
+        return None
+    try:
+        return chain(relayout.before[0])
+    except UnsupportedOutputError:
+        return None
 
 
 def versions_only(i: int, layout: SubclassLayout) -> ArgumentRelayout:
@@ -151,9 +166,23 @@ def emit_prologue(src, relayouts: dict[int, ArgumentRelayout]) -> None:
         src.emit(f"v{i} = ({''.join(f'{_expr(i, p)}._version, ' for p in r.inner_paths)})")
 
 
+def emit_early_views(src, boundary, emit_view: Callable) -> None:
+    """The views of `chain_before`, on the argument as it was: the plain run may have restrided its
+    plain inner tensors already (its own epilogue), so they are set back first."""
+    set_meta = src.bind("set_metadata", set_metadata)
+    leaves = sorted({boundary.outputs[k].leaf for k in boundary.early_views})
+    for i in leaves:
+        r = boundary.relayouts[i]
+        for path, (size, stride, offset) in zip(r.inner_paths, r.before[1:]):
+            src.emit(f"{set_meta}({_expr(i, path)}, {src.bind('a', size)}, {src.bind('a', stride)}, {offset}, False)")
+    for k in sorted(boundary.early_views):
+        emit_view(k)
+
+
 def emit_epilogue(src, relayouts: dict[int, ArgumentRelayout]) -> None:
     """After the plain run, before outputs are rebuilt (views of the argument are taken on its new
-    metadata, as in eager): every level's final metadata, inner versions as eager leaves them."""
+    metadata, as in eager; those taken before are rebuilt before this: `chain_before`): every
+    level's final metadata, inner versions as eager leaves them."""
     if not relayouts:
         return
     set_meta = src.bind("set_metadata", set_metadata)

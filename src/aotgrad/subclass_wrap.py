@@ -259,6 +259,7 @@ class Boundary:
     bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
     unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
     relayouts: dict = field(default_factory=dict)  # argument -> its metadata after the call (subclass_metadata)
+    early_views: set = field(default_factory=set)  # outputs viewing an argument as it was before that
     num_user: int = 0
     out_spec: Any = None
 
@@ -349,7 +350,7 @@ class Boundary:
             for i, state in before.items():
                 after = _state(leaves[i])
                 if after[0] != state[0]:  # t_(), unsqueeze_()...: replayed after each call
-                    self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i])
+                    self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i], state[0])
                     state = (after[0], *state[1:])
                 _check_state(i, self.layouts[i], state, after)
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
@@ -376,6 +377,18 @@ class Boundary:
             self.rebased_at[i] = (self.num_plain_outputs + len(values), site)
             values += [p.clone() for p in _Unwrap.apply(site, leaves[i])]
         return tuple(values)
+
+    def _view_chain(self, o: torch.Tensor, k: int, leaf: int | None) -> tuple[ViewChain, Any]:
+        """`_chain`; for a view of an argument whose metadata the program changed after taking it,
+        the chain on the argument as it was (replayed before its metadata is set: subclass_metadata)."""
+        try:
+            return _chain(o, k)
+        except UnsupportedOutputError:
+            early = subclass_metadata.chain_before(self.relayouts.get(leaf), lambda meta: _chain(o, k, meta))
+            if early is None:
+                raise
+            self.early_views.add(k)
+            return early
 
     def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
         """The plain values the graph returns for the user's outputs; `self.outputs` says how each
@@ -409,7 +422,7 @@ class Boundary:
                     pending.append((entries[id(base)], base))
                 if o.grad_fn is not None:
                     grad_bases.add(id(base))
-                self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
+                self.outputs[k] = ViewOut(entries[id(base)], *self._view_chain(o, k, rebuilt.get(id(base))))
             else:
                 site = _Site(layout_of(o), f"output {k}")
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
@@ -610,20 +623,22 @@ def _metadata(t: torch.Tensor) -> tuple:
     return tuple((tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (t, *plains))
 
 
-def _chain(o: torch.Tensor, k: int) -> tuple[ViewChain, Any]:
-    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base, and
-    the view's CreationMeta where it is not DEFAULT (in-place ops on it then fail as in eager)."""
+def _chain(o: torch.Tensor, k: int, base_meta: tuple | None = None) -> tuple[ViewChain, Any]:
+    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base (of
+    `base_meta` where given, else as the base is now), and the view's CreationMeta where it is not
+    DEFAULT (in-place ops on it then fail as in eager)."""
     base = o._base
+    probe = analysis._probe_like(base, base.requires_grad, base_meta)
     inner: list = []
     flatten(o, layout_of(o), inner)
-    if not all(analysis.may_replay(t, base) for t in inner if isinstance(t, torch.Tensor)):
+    if not all(analysis.may_replay(t, probe) for t in inner if isinstance(t, torch.Tensor)):
         # the trace marked its inner views unsafe to replay (a base restrided in place): libtorch
         # has crashed replaying such view functions
         raise UnsupportedOutputError(
             f"aotgrad: output {k} is a view of a {type(base).__name__} restrided in place after the view "
             "was taken; aotgrad cannot replay it on the rebuilt subclass. Return a .clone() of it."
         )
-    recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
+    recorded = analysis._record_chain(o, probe)
     if recorded is None or analysis.meta_of(recorded[1]) != analysis.meta_of(o):
         raise UnsupportedOutputError(
             f"aotgrad: output {k} is a view of a {type(base).__name__} whose view ops cannot be replayed "
