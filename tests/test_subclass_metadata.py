@@ -114,6 +114,7 @@ def run_both(f, make, grad_mode=True, calls=2, backward=True):
             losses = [o.sum() for o in pytree.tree_leaves(out)
                       if backward and isinstance(o, torch.Tensor) and o.requires_grad]
             grads = []
+            roots = [r for r in roots if r.requires_grad]  # a leaf the program detach_()ed: none
             if roots and losses:
                 grads = torch.autograd.grad(losses, roots, allow_unused=True)
             results.append((*seen, [_snapshot(g, layout=False) if g is not None else None for g in grads]))
@@ -256,6 +257,63 @@ def test_generated_run_sets_every_level(caplog):
         run_both(lambda x: x.t_() * 1, lambda: _two((2, 3), nested=True), calls=1)
     src = "\n".join(r.getMessage() for r in caplog.records)
     assert "l0.a.a, " in src and "_set_metadata" in src
+
+
+@pytest.mark.parametrize("nonleaf", [False, True])
+@pytest.mark.parametrize("returned", [False, True])
+def test_detach_in_place_of_an_argument_requiring_grad(nonleaf, returned):
+    """Outputs computed before it keep their history; the caller's argument is a leaf without grad."""
+    def f(x):
+        y = x * 2
+        x.detach_()
+        return (y, x * 3, x) if returned else y
+
+    run_both(f, lambda: _two((3, 3), requires_grad=True, nonleaf=nonleaf))
+
+
+def test_detach_in_place_in_a_no_grad_call():
+    def f(x):
+        x.detach_()
+        return x * 3
+
+    run_both(f, lambda: _two((3, 3), requires_grad=True), grad_mode=False)
+
+
+def test_detach_in_place_then_requires_grad_refused_by_name():
+    """Eager makes it a new leaf (fuzz seed 1, program 7403)."""
+    def f(x):
+        x.detach_()
+        x.requires_grad_()
+        return x * 3
+
+    with pytest.raises(UnsupportedMutationError, match="detach_.* subclass input 0 .*requires_grad_"):
+        aotgrad.aot_function(f, nop)(_two((3, 3), requires_grad=True, nonleaf=True)[1])
+
+
+def test_detach_in_place_of_an_argument_viewed_by_an_output_refused_by_name():
+    def f(x):
+        v = x[0]
+        x.detach_()
+        return v
+
+    f(_two((3, 3), requires_grad=True, nonleaf=True)[1])  # eager allows it (the view keeps its history)
+    with pytest.raises(UnsupportedMutationError, match="detach_.* subclass input 0"):
+        aotgrad.aot_function(f, nop)(_two((3, 3), requires_grad=True, nonleaf=True)[1])
+
+
+def test_detach_in_place_of_a_view_argument_refused_like_eager():
+    def f(x):
+        x.detach_()
+        return x * 2
+
+    def make():
+        root, x = _two((3, 3), requires_grad=True)
+        return x[1:]
+
+    with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+        f(make())
+    with pytest.raises(UnsupportedMutationError, match="detach_.* subclass input 0"):
+        aotgrad.aot_function(f, nop)(make())
 
 
 # ---------------------------------------------------------------------------------------------

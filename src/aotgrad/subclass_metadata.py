@@ -1,4 +1,5 @@
-"""Metadata mutations of subclass arguments (`x.t_()`, `transpose_`, `unsqueeze_`, `as_strided_`...).
+"""Metadata mutations of subclass arguments (`x.t_()`, `transpose_`, `unsqueeze_`, `as_strided_`...)
+and `x.detach_()` on one (`detached`, replayed after the call as eager's leaves it).
 
 In eager, an in-place view op on a traceable wrapper subclass reaches its `__torch_dispatch__`,
 which applies the op to the inner tensors (below autograd: their version counters do not move) and
@@ -179,10 +180,43 @@ def emit_early_views(src, boundary, emit_view: Callable) -> None:
         emit_view(k)
 
 
-def emit_epilogue(src, relayouts: dict[int, ArgumentRelayout]) -> None:
+def detached(i: int, before: tuple, after: tuple, requires_grad: bool) -> bool:
+    """The program called `detach_()` on argument `i` (subclass_wrap._state before/after in the trace;
+    `requires_grad`: the caller's, also in a no_grad call where the trace's does not): whether that
+    is to replay (it required grad and is now a leaf without it; without grad it is a no-op);
+    refused where its autograd state changed again after it (`requires_grad_()`: a new leaf)."""
+    if not (before[1] or requires_grad):
+        return False
+    if after[1] or after[2] is not None:
+        raise UnsupportedMutationError(
+            f"aotgrad: the program calls detach_() on subclass input {i} and then gives it autograd state "
+            "again (requires_grad_(), or a write of a value requiring grad); aotgrad replays detach_() "
+            "on a subclass argument only where it ends without grad. Use detach() (out of place)."
+        )
+    return True
+
+
+def refuse_detached(boundary, leaves: Sequence) -> None:
+    """`detach_()` on an argument is replayed on the caller's subclass after the call (its outputs
+    computed before it keep their history in the trace, as in eager). Refused by name: an argument
+    that is a view (eager refuses that), or one an output views (eager's view keeps its history)."""
+    viewed = {getattr(o, "leaf", None) for o in boundary.outputs if type(o).__name__ == "ViewOfLeafOut"}
+    for i in sorted(boundary.detached):
+        if leaves[i]._is_view() or i in viewed or i in boundary.rebased:
+            raise UnsupportedMutationError(
+                f"aotgrad: the program calls detach_() on subclass input {i} ({type(leaves[i]).__name__}), "
+                "which is a view, is viewed by an output, or is also written with gradients; aotgrad "
+                "replays detach_() on a subclass argument only without those. Use detach() (out of place)."
+            )
+
+
+def emit_epilogue(src, relayouts: dict[int, ArgumentRelayout], detach: set = frozenset()) -> None:
     """After the plain run, before outputs are rebuilt (views of the argument are taken on its new
     metadata, as in eager; those taken before are rebuilt before this: `chain_before`): every
-    level's final metadata, inner versions as eager leaves them."""
+    level's final metadata, inner versions as eager leaves them; `detach_()` of the arguments in
+    `detach`."""
+    for i in sorted(detach):
+        src.emit(f"l{i}.detach_()")
     if not relayouts:
         return
     set_meta = src.bind("set_metadata", set_metadata)

@@ -98,7 +98,7 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
     src.emit(f"r = {src.bind('plain', run_plain)}([{', '.join(plain)}])")
     if boundary.early_views:  # views of an argument taken before its metadata changed
         subclass_metadata.emit_early_views(src, boundary, lambda k: _emit_view(src, boundary.outputs[k], k, replay))
-    subclass_metadata.emit_epilogue(src, boundary.relayouts)
+    subclass_metadata.emit_epilogue(src, boundary.relayouts, boundary.detached)
     for i, (start, site) in sorted(boundary.rebased_at.items()):  # written in grad mode: as eager's
         values = ", ".join(f"r[{start + j}]" for j in range(site.layout.num_plain))
         src.emit(f"{src.bind('rebase', _Rebase.apply)}(l{i}, {src.bind('wrap', wrap)}({src.bind('site', site)}, {values}))")
@@ -174,7 +174,7 @@ def fusable(boundary, run_plain: Callable, mutated: Sequence[int], inner_require
     """Whether `build_fused_run` can serve this signature; else the general run (`build_run`)."""
     return (
         torch.is_grad_enabled() and not mutated and not boundary.spread and not inner_requires_grad
-        and not boundary.rebased_at and not boundary.relayouts
+        and not boundary.rebased_at and not boundary.relayouts and not boundary.detached
         and all(boundary.first.get(i, i) == i for i in range(len(boundary.layouts)))
         and all(type(o).__name__ in ("PlainOut", "SubclassOut") for o in boundary.outputs)
         and len(boundary.outputs) == boundary.num_user

@@ -260,6 +260,7 @@ class Boundary:
     unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
     relayouts: dict = field(default_factory=dict)  # argument -> its metadata after the call (subclass_metadata)
     early_views: set = field(default_factory=set)  # outputs viewing an argument as it was before that
+    detached: set = field(default_factory=set)  # arguments the program detach_()es
     num_user: int = 0
     out_spec: Any = None
 
@@ -337,7 +338,7 @@ class Boundary:
             # a plain argument passed as is gets its metadata mutation replayed by the plain run; one whose
             # gradient is a subclass (`_Spread`) is passed as detached aliases, which do not carry it back
             plain_meta = {i: _layout_of_plain(leaves[i]) for i in self.spread}
-            with SubclassTraceRules(rebuilt):
+            with SubclassTraceRules(rebuilt) as rules:
                 out = fn(*args, **kwargs)
             for i, meta in plain_meta.items():
                 if _layout_of_plain(leaves[i]) != meta:
@@ -346,12 +347,15 @@ class Boundary:
                         f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) and its gradient is a "
                         "tensor subclass; the subclass stage does not replay it there. Use the out-of-place op "
                         "and return the result, or run this part eagerly.")
-            self.relayouts = {}
+            self.relayouts, self.detached = {}, set()
             for i, state in before.items():
                 after = _state(leaves[i])
                 if after[0] != state[0]:  # t_(), unsqueeze_()...: replayed after each call
                     self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i], state[0])
                     state = (after[0], *state[1:])
+                if i in rules.detached and subclass_metadata.detached(i, state, after, self.requires_grad[i]):
+                    self.detached.add(i)
+                    state = after
                 _check_state(i, self.layouts[i], state, after)
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
             self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
@@ -692,6 +696,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
                 raise
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
+    subclass_metadata.refuse_detached(boundary, leaves)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
               {i: s.layout.describe() for i, s in boundary.sites.items()}, len(plain_leaves))
