@@ -313,13 +313,23 @@ def test_mutation_of_leaf_requiring_grad_is_refused_like_eager():
         aotgrad.aot_function(f, nop)(two(3))
 
 
-def test_metadata_mutation_refused():
+def test_metadata_mutation_replayed_on_the_callers_subclass():
+    """More cases, level by level: tests/test_subclass_metadata.py."""
     def f(x):
         x.t_()
         return x + 1
 
+    compiled, got, ins = run_both(f, lambda: [two(3, 4, requires_grad=False)])
+    assert ins[0].shape == (4, 3) and ins[0].a.stride() == (1, 4) and ins[0].b.shape == (4, 3)
+
+
+def test_metadata_mutation_of_input_viewed_by_an_output_refused():
+    def f(x):
+        x.t_()
+        return x[0]
+
     with pytest.raises(AotgradError, match="input 0"):
-        aotgrad.aot_function(f, nop)(two(3, 4, requires_grad=False))
+        aotgrad.aot_function(f, nop)(two(3, 4) * 1)
 
 
 # ---------------------------------------------------------------------------------------------

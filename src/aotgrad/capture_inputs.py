@@ -212,9 +212,9 @@ def _version(t: torch.Tensor) -> int | None:
 
 def _bump_versions(fw, bases, versions) -> None:
     """In-place ops on an input or on views of it bump its version counter in eager; the epilogue's
-    copy_ does that for data mutations, the rest (metadata ops on views, no-op writes, and writes
+    copy_ (as_strided_) does that for data (metadata) mutations, the rest (metadata ops on views, no-op writes, and writes
     kept in the graph: a compiled kernel's store does not bump it) need a bump."""
-    copied = {a.primal for a in fw.epilogue if isinstance(a, (CopyInto, SetToOutput, SetToPrimal))}
+    copied = {a.primal for a in fw.epilogue if isinstance(a, (CopyInto, SetToOutput, SetToPrimal, Restride))}
     for k, b in enumerate(bases):
         if _version(b) != versions[k] and k not in copied:
             fw.epilogue.append(BumpVersion(k))

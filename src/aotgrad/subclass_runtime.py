@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import subclass_metadata
 from .plan import FromLeaf, GraphOutput, UserOutput
 from .runtime import _Source, _structure, _unreached_when_none, make_autograd_function
 from .subclass_higher import FusedDoubleBackward
@@ -93,15 +94,29 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
             plain += names
         else:
             plain += _attr_paths(layout, f"l{i}")
+    subclass_metadata.emit_prologue(src, boundary.relayouts)
     src.emit(f"r = {src.bind('plain', run_plain)}([{', '.join(plain)}])")
+    if boundary.early_views:  # views of an argument taken before its metadata changed
+        subclass_metadata.emit_early_views(src, boundary, lambda k: _emit_view(src, boundary.outputs[k], k, replay))
+    subclass_metadata.emit_epilogue(src, boundary.relayouts, boundary.detached)
     for i, (start, site) in sorted(boundary.rebased_at.items()):  # written in grad mode: as eager's
         values = ", ".join(f"r[{start + j}]" for j in range(site.layout.num_plain))
         src.emit(f"{src.bind('rebase', _Rebase.apply)}(l{i}, {src.bind('wrap', wrap)}({src.bind('site', site)}, {values}))")
+    # eager bumps once per in-place op (_Rebase's mark_dirty did one), before the outputs' views are
+    # taken: their recorded version is then current, as eager's (a no_grad view's grad_fn stays readable)
+    bumped = []
+    for i in mutated:
+        bumped += [i] * max(boundary.bumps.get(i, 1) - (i in boundary.rebased_at), 0)
+    if bumped:
+        bump = src.bind("bump", torch.autograd.graph.increment_version)
+        src.emit(f"{bump}(({''.join(f'l{i}, ' for i in bumped)}))")
     outs = boundary.outputs
     rank = {"ViewOut": 1, "ViewOfLeafOut": 1, "SameAs": 2}  # bases, then views of them, then repeats
     for k in sorted(range(len(outs)), key=lambda k: rank.get(type(outs[k]).__name__, 0)):
         o = outs[k]
         kind = type(o).__name__
+        if k in boundary.early_views:
+            continue
         if kind == "PlainOut":
             src.emit(f"o{k} = r[{o.position}]")
         elif kind == "SubclassOut":
@@ -115,21 +130,19 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
         elif kind == "LeafOut":
             src.emit(f"o{k} = l{o.leaf}")
         elif kind in ("ViewOfLeafOut", "ViewOut"):
-            base = f"l{o.leaf}" if kind == "ViewOfLeafOut" else f"o{o.base}"
-            src.emit(f"o{k} = {src.bind('replay', replay)}({base}, {src.bind('chain', o.chain)})")
-            if o.creation_meta is not None:
-                set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
-                src.emit(f"{set_meta}(o{k}, {src.bind('meta', o.creation_meta)})")
+            _emit_view(src, o, k, replay)
         else:
             src.emit(f"o{k} = o{o.entry}")
-    bumped = []  # eager bumps once per in-place op; _Rebase's mark_dirty did one
-    for i in mutated:
-        bumped += [i] * max(boundary.bumps.get(i, 1) - (i in boundary.rebased_at), 0)
-    if bumped:
-        bump = src.bind("bump", torch.autograd.graph.increment_version)
-        src.emit(f"{bump}(({''.join(f'l{i}, ' for i in bumped)}))")
     src.emit(f"return {_structure(src, boundary.out_spec, [f'o{k}' for k in range(boundary.num_user)])}")
     return src.build("run", "def run(leaves):")
+
+
+def _emit_view(src: _Source, o, k: int, replay: Callable) -> None:
+    base = f"l{o.leaf}" if type(o).__name__ == "ViewOfLeafOut" else f"o{o.base}"
+    src.emit(f"o{k} = {src.bind('replay', replay)}({base}, {src.bind('chain', o.chain)})")
+    if o.creation_meta is not None:
+        set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
+        src.emit(f"{set_meta}(o{k}, {src.bind('meta', o.creation_meta)})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +174,7 @@ def fusable(boundary, run_plain: Callable, mutated: Sequence[int], inner_require
     """Whether `build_fused_run` can serve this signature; else the general run (`build_run`)."""
     return (
         torch.is_grad_enabled() and not mutated and not boundary.spread and not inner_requires_grad
-        and not boundary.rebased_at
+        and not boundary.rebased_at and not boundary.relayouts and not boundary.detached
         and all(boundary.first.get(i, i) == i for i in range(len(boundary.layouts)))
         and all(type(o).__name__ in ("PlainOut", "SubclassOut") for o in boundary.outputs)
         and len(boundary.outputs) == boundary.num_user

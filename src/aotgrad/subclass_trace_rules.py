@@ -6,7 +6,8 @@ for both, so they are refused by name while the stage traces (`Boundary.plain_fu
 
 - `requires_grad_()` on a subclass value inside the program: a new autograd leaf at the subclass
   level, which the flattened graphs cannot represent (its inner tensors are no leaves of ours);
-- `detach_()` on a subclass value (views of it taken before keep their history in eager);
+- `detach_()` on a subclass value the program computed (views of it taken before keep their history
+  in eager; on an argument it is replayed: subclass_metadata.py);
 - `as_strided` on a subclass value: storage offsets and strides are absolute coordinates of the
   subclass's own storage, while the trace sees inner tensors that may be clones or other layouts.
 
@@ -37,6 +38,7 @@ class SubclassTraceRules(TorchFunctionMode):
     def __init__(self, inputs: dict[int, int]):
         super().__init__()
         self.inputs = inputs
+        self.detached: set[int] = set()  # inputs the program called detach_() on
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -49,7 +51,9 @@ class SubclassTraceRules(TorchFunctionMode):
                     "compiled function: a new autograd leaf at the subclass level is not supported. Make it "
                     "require grad before the call and pass it in, or run this part eagerly."
                 )
-            if func is torch.Tensor.detach_:
+            if func is torch.Tensor.detach_ and id(self_arg) in self.inputs:  # replayed: subclass_metadata
+                self.detached.add(self.inputs[id(self_arg)])
+            elif func is torch.Tensor.detach_:
                 raise UnsupportedMutationError(
                     f"aotgrad: the program calls detach_() on {_describe(self_arg, self.inputs)}: cutting a "
                     "subclass value's history in place is not traced through its inner tensors. Use "

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import analysis, nested_jagged, subclass_higher, subclass_symbolic
+from . import analysis, nested_jagged, subclass_higher, subclass_metadata, subclass_symbolic
 from .errors import (
     AotgradError,
     InplaceOnLeafError,
@@ -269,6 +269,9 @@ class Boundary:
     num_plain_outputs: int = 0
     bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
     unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
+    relayouts: dict = field(default_factory=dict)  # argument -> its metadata after the call (subclass_metadata)
+    early_views: set = field(default_factory=set)  # outputs viewing an argument as it was before that
+    detached: set = field(default_factory=set)  # arguments the program detach_()es
     num_user: int = 0
     out_spec: Any = None
 
@@ -318,7 +321,7 @@ class Boundary:
 
     def plain_function(self, fn: Callable) -> Callable:
         def fn_plain(*plain):
-            leaves, rebuilt = [], {}
+            leaves, rebuilt, inner_of = [], {}, {}
             for i, lay in enumerate(self.layouts):
                 start, stop = self.ranges[i]
                 if i in self.spread:
@@ -338,23 +341,33 @@ class Boundary:
                 else:
                     t = rebuild(lay, inner)
                 rebuilt[id(t)] = i
+                inner_of[i] = subclass_metadata.plain_tensors(t, lay)  # to tell they stay the same objects
                 leaves.append(t)
             args, kwargs = pytree.tree_unflatten(leaves, self.spec)
             before = {i: _state(leaves[i]) for i in rebuilt.values()}
             versions = {i: leaves[i]._version for i in rebuilt.values()}
-            plain_meta = {i: _layout_of_plain(t) for i, t in enumerate(leaves)
-                          if self.layouts[i] is None and isinstance(t, torch.Tensor) and not is_subclass(t)}
-            with SubclassTraceRules(rebuilt):
+            # a plain argument passed as is gets its metadata mutation replayed by the plain run; one whose
+            # gradient is a subclass (`_Spread`) is passed as detached aliases, which do not carry it back
+            plain_meta = {i: _layout_of_plain(leaves[i]) for i in self.spread}
+            with SubclassTraceRules(rebuilt) as rules:
                 out = fn(*args, **kwargs)
             for i, meta in plain_meta.items():
                 if _layout_of_plain(leaves[i]) != meta:
                     raise UnsupportedMutationError(
                         f"aotgrad: the program changes the metadata of input {i} ({tuple(meta[0])} -> "
-                        f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) in a call with tensor "
-                        "subclass arguments; the subclass stage does not replay it. Use the out-of-place op "
+                        f"{tuple(leaves[i].shape)}: t_(), transpose_(), as_strided_()...) and its gradient is a "
+                        "tensor subclass; the subclass stage does not replay it there. Use the out-of-place op "
                         "and return the result, or run this part eagerly.")
+            self.relayouts, self.detached = {}, set()
             for i, state in before.items():
-                _check_state(i, self.layouts[i], state, _state(leaves[i]))
+                after = _state(leaves[i])
+                if after[0] != state[0]:  # t_(), unsqueeze_()...: replayed after each call
+                    self.relayouts[i] = subclass_metadata.record(i, self.layouts[i], leaves[i], inner_of[i], state[0])
+                    state = (after[0], *state[1:])
+                if i in rules.detached and subclass_metadata.detached(i, state, after, self.requires_grad[i]):
+                    self.detached.add(i)
+                    state = after
+                _check_state(i, self.layouts[i], state, after)
             self.bumped = {i for i, v in versions.items() if leaves[i]._version != v}  # in-place ops on it
             self.bumps = {i: leaves[i]._version - v for i, v in versions.items()}  # as many as eager's
             # written in grad mode: autograd rebased the argument's history (subclass_runtime._Rebase)
@@ -374,10 +387,23 @@ class Boundary:
         values: list = []
         self.rebased_at = {}
         for i in sorted(self.rebased):
-            site = _Site(self.layouts[i], f"input {i}")
+            lay = layout_of(leaves[i]) if i in self.relayouts else self.layouts[i]  # refused later if relayouted
+            site = _Site(lay, f"input {i}")
             self.rebased_at[i] = (self.num_plain_outputs + len(values), site)
             values += [p.clone() for p in _Unwrap.apply(site, leaves[i])]
         return tuple(values)
+
+    def _view_chain(self, o: torch.Tensor, k: int, leaf: int | None) -> tuple[ViewChain, Any]:
+        """`_chain`; for a view of an argument whose metadata the program changed after taking it,
+        the chain on the argument as it was (replayed before its metadata is set: subclass_metadata)."""
+        try:
+            return _chain(o, k)
+        except UnsupportedOutputError:
+            early = subclass_metadata.chain_before(self.relayouts.get(leaf), lambda meta: _chain(o, k, meta))
+            if early is None:
+                raise
+            self.early_views.add(k)
+            return early
 
     def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
         """The plain values the graph returns for the user's outputs; `self.outputs` says how each
@@ -411,7 +437,7 @@ class Boundary:
                     pending.append((entries[id(base)], base))
                 if o.grad_fn is not None:
                     grad_bases.add(id(base))
-                self.outputs[k] = ViewOut(entries[id(base)], *_chain(o, k))
+                self.outputs[k] = ViewOut(entries[id(base)], *self._view_chain(o, k, rebuilt.get(id(base))))
             else:
                 site = _Site(layout_of(o), f"output {k}")
                 differentiable = o.requires_grad and o.grad_fn is not None  # else a leaf, as eager's
@@ -450,17 +476,20 @@ class Boundary:
                     f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass input "
                     "autograd history. Return the value instead."
                 )
-            if not isinstance(src, FromLeaf) or m.metadata or m.storage or m.in_backward:
+            if not isinstance(src, FromLeaf) or m.storage or m.in_backward:  # metadata: subclass_metadata
                 raise UnsupportedMutationError(
                     f"aotgrad: the program changes the metadata or storage of subclass input {i} "
                     f"({self.layouts[i].describe()}) in place (or writes it in the backward, or it shares "
                     "memory with another input); aotgrad cannot express that on the subclass's inner "
                     "tensors. Return the new value instead."
                 )
+            if m.metadata and i not in self.relayouts:  # restrided back where it was: versions only
+                self.relayouts[i] = subclass_metadata.versions_only(i, self.layouts[i])
             mutated.add(i)
             if m.data:
                 written.add(i)
-        self.unclear_history |= self.rebased - written  # in-place metadata ops only (transpose_(0, 0))
+        # in-place metadata ops only, not replayed (transpose_(0, 0)); replayed ones: subclass_metadata
+        self.unclear_history |= self.rebased - written - set(self.relayouts)
         return sorted(mutated | self.bumped)
 
     def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int], plan=None) -> None:
@@ -610,20 +639,22 @@ def _metadata(t: torch.Tensor) -> tuple:
     return tuple((tuple(x.shape), tuple(x.stride()), x.storage_offset()) for x in (t, *plains))
 
 
-def _chain(o: torch.Tensor, k: int) -> tuple[ViewChain, Any]:
-    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base, and
-    the view's CreationMeta where it is not DEFAULT (in-place ops on it then fail as in eager)."""
+def _chain(o: torch.Tensor, k: int, base_meta: tuple | None = None) -> tuple[ViewChain, Any]:
+    """The view ops that made subclass output `o` from its base, to replay on the rebuilt base (of
+    `base_meta` where given, else as the base is now), and the view's CreationMeta where it is not
+    DEFAULT (in-place ops on it then fail as in eager)."""
     base = o._base
+    probe = analysis._probe_like(base, base.requires_grad, base_meta)
     inner: list = []
     flatten(o, layout_of(o), inner)
-    if not all(analysis.may_replay(t, base) for t in inner if isinstance(t, torch.Tensor)):
+    if not all(analysis.may_replay(t, probe) for t in inner if isinstance(t, torch.Tensor)):
         # the trace marked its inner views unsafe to replay (a base restrided in place): libtorch
         # has crashed replaying such view functions
         raise UnsupportedOutputError(
             f"aotgrad: output {k} is a view of a {type(base).__name__} restrided in place after the view "
             "was taken; aotgrad cannot replay it on the rebuilt subclass. Return a .clone() of it."
         )
-    recorded = analysis._record_chain(o, analysis._probe_like(base, base.requires_grad))
+    recorded = analysis._record_chain(o, probe)
     if recorded is None or analysis.meta_of(recorded[1]) != analysis.meta_of(o):
         raise UnsupportedOutputError(
             f"aotgrad: output {k} is a view of a {type(base).__name__} whose view ops cannot be replayed "
@@ -677,6 +708,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
                 raise
             spread[e.leaf] = e.layout
     mutated = boundary.check_mutations(run_plain.plan)
+    subclass_metadata.refuse_detached(boundary, leaves)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
     subclass_higher.name_mutated_inputs(boundary, getattr(run_plain, "compiled", None))
     log.debug("aotgrad: subclass arguments %s flattened into %d plain inputs",
