@@ -97,3 +97,15 @@ def eager_runs_and_shows(text: str, render: str = "source"):
         return True
 
     return still_fails
+
+
+def run_source(compiled) -> str:
+    """The generated run-time source of a compiled function's one fast-path signature."""
+    (_, run), = compiled.fast
+    return run.__aotgrad_source__
+
+
+def is_fused_run(compiled) -> bool:
+    """The subclass run is ONE autograd.Function (subclass_runtime.build_fused_run)."""
+    src = run_source(compiled)
+    return src.count("_apply") == 1 and "_unwrap" not in src and "_wrap" not in src

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import is_fused_run, run_source
 from test_subclasses import _clone, assert_same
 from torch.testing._internal.two_tensor import TwoTensor
 
@@ -35,16 +36,6 @@ def nested(*shape, seed=0):
 def plain(*shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, dtype=D, generator=g).requires_grad_()
-
-
-def _source(compiled) -> str:
-    (_, run), = compiled.fast
-    return run.__aotgrad_source__
-
-
-def _fused(compiled) -> bool:
-    src = _source(compiled)
-    return src.count("_apply") == 1 and "_unwrap" not in src and "_wrap" not in src
 
 
 def _terms(outs):
@@ -98,7 +89,7 @@ def test_second_order_matches_eager_fused_run(name, partition):
     fn, make = PROGRAMS[name]
     kw = {"partition_fn": min_cut_rematerialization_partition} if partition == "mincut" else {}
     compiled = check_second_order(fn, make, **kw)
-    assert _fused(compiled), _source(compiled)
+    assert is_fused_run(compiled), run_source(compiled)
     check_second_order(fn, make, **kw)  # the cached path
 
 
@@ -115,7 +106,7 @@ GENERAL = {
 def test_second_order_matches_eager_general_run(name):
     fn, make = GENERAL[name]
     compiled = check_second_order(fn, make, wrt=[0])
-    assert not _fused(compiled), _source(compiled)
+    assert not is_fused_run(compiled), run_source(compiled)
 
 
 def test_third_order_matches_eager():
@@ -153,7 +144,7 @@ def test_gradient_with_respect_to_the_incoming_gradient(fused):
     assert_same(got[0], expected[0], "first")
     for k, (a, b) in enumerate(zip(got[1], expected[1])):
         assert_same(a, b, f"second {k}")
-    assert _fused(compiled) == fused
+    assert is_fused_run(compiled) == fused
 
 
 def test_gradient_penalty_through_subclass_parameters():
@@ -173,7 +164,7 @@ def test_gradient_penalty_through_subclass_parameters():
     ours = [_clone(t) for t in make]
     compiled = aotgrad.aot_function(critic, nop)
     expected, got = step(critic, *make), step(compiled, *ours)
-    assert _fused(compiled)
+    assert is_fused_run(compiled)
     for what, a, b in zip(("loss", "gx"), got, expected):
         assert_same(a, b, what)
     for k, (a, b) in enumerate(zip(ours, make)):
@@ -250,7 +241,7 @@ def test_plain_argument_with_subclass_gradient_refused_by_name(wrt):
     x, y = two(3), plain(3)
     compiled = aotgrad.aot_function(f, nop)
     out = compiled(x, y)
-    assert not _fused(compiled)
+    assert not is_fused_run(compiled)
     with pytest.raises(HigherOrderError, match="input 1 .a plain tensor whose gradient is a TwoTensor"):
         torch.autograd.grad(out.sum(), (x, y)[wrt], create_graph=True)
     (gx,) = torch.autograd.grad(compiled(x, y).sum(), x)  # first order: as before
@@ -262,7 +253,7 @@ def test_create_graph_after_the_graph_was_released_is_refused():
     compiled = aotgrad.aot_function(lambda x: (x.sin() * x).sum(), nop)
     x = two(3)
     out = compiled(x)
-    assert _fused(compiled)
+    assert is_fused_run(compiled)
     out.backward()
     with pytest.raises((HigherOrderError, RuntimeError), match="retain_graph|second time"):
         torch.autograd.grad(out, x, create_graph=True)
@@ -272,7 +263,7 @@ def test_first_order_backward_lets_go_of_the_arguments():
     compiled = aotgrad.aot_function(lambda x: x.sin() * x, nop)
     x = two(3)
     out = compiled(x * 2)
-    assert _fused(compiled)
+    assert is_fused_run(compiled)
     assert out.grad_fn.leaves is not None
     out.sum().backward()
     assert out.grad_fn.leaves is None  # the graph is freed: no reference to the argument is kept
@@ -331,7 +322,7 @@ def test_structurally_zero_second_order_gradient_is_eagers_zero_tensor(fused):
     compiled = aotgrad.aot_function(f, nop)
     (g,) = torch.autograd.grad((compiled(x) * 3).sum(), x, create_graph=True)
     (ge,) = torch.autograd.grad((f(xe) * 3).sum(), xe, create_graph=True)
-    assert _fused(compiled) == fused
+    assert is_fused_run(compiled) == fused
     assert_same(g, ge, "first")
     (s,) = torch.autograd.grad((g * g).sum(), x)
     (se,) = torch.autograd.grad((ge * ge).sum(), xe)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import is_fused_run, run_source
 from test_subclasses import assert_same, nested, run_both, two
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.two_tensor import TwoTensor
@@ -14,16 +15,6 @@ import aotgrad
 from aotgrad.compilers import nop
 from aotgrad.errors import AotgradError, HigherOrderError
 from aotgrad.subclass_graphs import drop_detaches
-
-
-def _source(compiled) -> str:
-    (_, run), = compiled.fast
-    return run.__aotgrad_source__
-
-
-def _fused(compiled) -> bool:
-    src = _source(compiled)
-    return src.count("_apply") == 1 and "_unwrap" not in src and "_wrap" not in src
 
 
 @pytest.mark.parametrize("make", [
@@ -39,18 +30,18 @@ def test_one_autograd_function_per_call(make):
         return (x * y).sin() + n, x.cos()
 
     compiled, _, _ = run_both(f, make)
-    assert _fused(compiled), _source(compiled)
+    assert is_fused_run(compiled), run_source(compiled)
 
 
 def test_plain_outputs_beside_subclass_outputs():
     compiled, got, _ = run_both(lambda x, y: (x.exp(), y * 2, x.a + y), lambda: [two(3), torch.randn(3, requires_grad=True)])
-    assert _fused(compiled)
+    assert is_fused_run(compiled)
     assert type(got[1]) is torch.Tensor and type(got[2]) is torch.Tensor
 
 
 def test_plain_argument_with_subclass_gradient_takes_the_general_run():
     compiled, _, _ = run_both(lambda x, y: (x * y).sin(), lambda: [two(3), torch.randn(3, requires_grad=True)])
-    assert not _fused(compiled)
+    assert not is_fused_run(compiled)
 
 
 @pytest.mark.parametrize("which", [0, 1])
@@ -67,7 +58,7 @@ def test_gradient_left_none_where_eager_leaves_it(which):
                eager_in[1].detach().clone().requires_grad_()]
     compiled = aotgrad.aot_function(f, nop)
     expected, got = f(*eager_in), compiled(*ours_in)
-    assert _fused(compiled)
+    assert is_fused_run(compiled)
     expected[which].sum().backward()
     got[which].sum().backward()
     for x, y in zip(ours_in, eager_in):
@@ -81,7 +72,7 @@ def test_inner_tensors_requiring_grad_take_the_general_run():
         return [TwoTensor(torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True))]
 
     compiled, _, _ = run_both(lambda x: x * 2, make)
-    assert not _fused(compiled)
+    assert not is_fused_run(compiled)
 
 
 def test_double_backward_through_the_fused_run():
@@ -94,7 +85,7 @@ def test_double_backward_through_the_fused_run():
     x = two(3)
     xe = TwoTensor(x.a.clone(), x.b.clone()).requires_grad_()
     out = compiled(x)
-    assert _fused(compiled)
+    assert is_fused_run(compiled)
     (g,), (ge,) = torch.autograd.grad(out, x, create_graph=True), torch.autograd.grad(f(xe), xe, create_graph=True)
     assert_same(g, ge, "first-order gradient")
     assert_same(torch.autograd.grad(g.sum(), x)[0], torch.autograd.grad(ge.sum(), xe)[0], "second-order gradient")
@@ -104,7 +95,7 @@ def test_double_backward_refused_by_name_on_the_general_run_with_a_spread_argume
     compiled = aotgrad.aot_function(lambda x, y: ((x * y).sin() * x).sum(), nop)
     x, y = two(2), torch.randn(2, requires_grad=True)  # y's gradient is a TwoTensor: the general run
     out = compiled(x, y)
-    assert not _fused(compiled)
+    assert not is_fused_run(compiled)
     with pytest.raises(HigherOrderError, match="create_graph.*input 1"):
         torch.autograd.grad(out, (x, y), create_graph=True)
 
@@ -115,7 +106,7 @@ def test_mutation_takes_the_general_run():
         return x * y
 
     compiled, _, _ = run_both(f, lambda: [two(3), torch.randn(3)])
-    assert not _fused(compiled)
+    assert not is_fused_run(compiled)
 
 
 def test_forward_graph_holds_no_boundary_detaches():
