@@ -109,3 +109,18 @@ def is_fused_run(compiled) -> bool:
     """The subclass run is ONE autograd.Function (subclass_runtime.build_fused_run)."""
     src = run_source(compiled)
     return src.count("_apply") == 1 and "_unwrap" not in src and "_wrap" not in src
+
+
+def counting_compiler(compiler=None):
+    """A compiler that records each graph it gets (`.calls`) and hands it to `compiler` (nop)."""
+    from aotgrad import nop
+
+    compiler = compiler or nop
+    calls = []
+
+    def c(gm, example_inputs):
+        calls.append(gm)
+        return compiler(gm, example_inputs)
+
+    c.calls = calls
+    return c

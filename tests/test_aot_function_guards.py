@@ -19,22 +19,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from helpers import counting_compiler
 
 import aotgrad
 from aotgrad import AotgradError, UnsupportedInputError, aot_function, aot_module, aot_module_simplified, nop
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _counting(compiler=nop):
-    calls = []
-
-    def c(gm, example_inputs):
-        calls.append(gm)
-        return compiler(gm, example_inputs)
-
-    c.calls = calls
-    return c
 
 
 # 1. closed-over tensors ---------------------------------------------------------------------------
@@ -149,7 +139,7 @@ class Cfg:
 
 
 def test_new_equal_objects_share_one_compile_and_are_not_kept_alive():
-    compiler = _counting()
+    compiler = counting_compiler()
     f = aot_function(lambda x, c: x * c.k, compiler)
     x = torch.randn(3)
     refs = []
@@ -164,7 +154,7 @@ def test_new_equal_objects_share_one_compile_and_are_not_kept_alive():
 
 
 def test_function_argument_is_guarded_weakly():
-    compiler = _counting()
+    compiler = counting_compiler()
     f = aot_function(lambda x, act: act(x), compiler)
     x = torch.randn(4)
 
@@ -292,7 +282,7 @@ def test_aot_module_simplified_follows_training_flag():
 
 
 def test_recompile_warning_names_what_changes_and_hard_limit_runs_eagerly():
-    compiler = _counting()
+    compiler = counting_compiler()
     f = aot_function(lambda x, n: x * n, compiler)
     x = torch.randn(3)
     with aotgrad.config.patch(recompile_limit=3, recompile_hard_limit=5):

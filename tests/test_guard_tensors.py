@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import counting_compiler
 from torch.testing._internal.two_tensor import TwoTensor
 
 from aotgrad import aot_function, guard_tensors, nop
-
-
-def _counting():
-    calls = []
-
-    def c(gm, example_inputs):
-        calls.append(gm)
-        return nop(gm, example_inputs)
-
-    c.calls = calls
-    return c
 
 
 def _f(x):
@@ -58,7 +48,7 @@ def _variants(make):
 def test_each_metadata_change_recompiles(make, python_conditions, grad_mode, monkeypatch):
     if python_conditions:
         monkeypatch.setattr(guard_tensors, "tensor_check", lambda tensors: None)
-    compiler = _counting()
+    compiler = counting_compiler()
     f = aot_function(_f, compiler)
     variants = _variants(make)
     with torch.set_grad_enabled(grad_mode):
@@ -78,7 +68,7 @@ def _compare_variants(f, variants, python_conditions):
 
 def test_inner_tensor_metadata_is_checked():
     """A TwoTensor whose inner tensor differs only in requires_grad (outer one alike) recompiles."""
-    f = aot_function(_f, _counting())
+    f = aot_function(_f, counting_compiler())
     x = _two(torch.randn(3))
     _check(f(x), _f(x))
     a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
@@ -93,7 +83,7 @@ def test_inner_tensor_metadata_is_checked():
 def test_stricter_dispatch_keys_fall_back_to_the_signature():
     """A conjugate-bit view has other dispatch keys but the same signature: the guard rejects it,
     the call finds its entry by signature (no recompile) and gives eager's result."""
-    compiler = _counting()
+    compiler = counting_compiler()
     f = aot_function(_f, compiler)
     x = torch.randn(3, dtype=torch.complex64)
     _check(f(x), _f(x))
