@@ -154,7 +154,7 @@ def _cold():
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import fresh_cache
 
-    from aotgrad import input_checks
+    from aotgrad.runtime import input_checks
 
     torch._dynamo.reset()
     with fresh_cache(), inductor_config.patch(force_disable_caches=True):
@@ -287,7 +287,7 @@ def _time_steps(runs: dict[str, Callable[[], None]], sides: dict[str, Side], sec
     the 0.2 s samples taken in turns before read 0.950-1.004 (ratio of medians) and 0.961-0.995
     (ratio of the fastest samples).
     aotgrad's run-time alias check is built in the background; no timing starts before it is."""
-    from aotgrad import input_checks
+    from aotgrad.runtime import input_checks
 
     input_checks.wait_for_builds()
     for run in runs.values():

@@ -56,7 +56,7 @@ def child(backend: str, row: str, stack: str = "as-called") -> float:
     import torch
     from harness import sum_outputs
 
-    from aotgrad.interpreter_stack import on_roomy_stack
+    from aotgrad.trace.interpreter_stack import on_roomy_stack
 
     bb.warm_up_process()
     pristine, inputs = bb.all_models()["gpt2" if row == "adamw" else row]()

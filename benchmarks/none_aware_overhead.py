@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 import aotgrad
-from aotgrad import runtime
+from aotgrad.runtime import runner as runtime
 
 CASES = {
     "fwd": "f(x, y)",

@@ -118,8 +118,8 @@ def _eager(bm: BenchModel) -> tuple[Measure, tuple]:
 
 def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, partition_fn: Callable,
               reference, decompositions: dict | None = None) -> Measure:
-    from aotgrad.partition_mincut import INFO_KEY
-    from aotgrad.partition_ops import op_class, tensor_nbytes
+    from aotgrad.partition.mincut import INFO_KEY
+    from aotgrad.partition.ops import op_class, tensor_nbytes
 
     m = Measure()
     mod, inputs = bm.factory()
@@ -183,7 +183,7 @@ def _exhaustive(joint, num_fwd_outputs: int, requested: int, max_items: int = 6)
     """For a point the partitioner misses: search every plan of a family wider than its menu -
     each subset of the expensive nodes unlocked, with or without one cheap value saved on top - and
     say how near the request the best of them lands (skipped above `max_items` expensive nodes)."""
-    from aotgrad.partition_graph import _candidate, _Joint
+    from aotgrad.partition.graph import _candidate, _Joint
 
     j = _Joint(joint, num_fwd_outputs, None)
     items = list(j.items)

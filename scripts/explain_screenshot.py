@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.explain_browser import png_stats, screenshot
+from aotgrad.explain.browser import png_stats, screenshot
 
 
 class Attention(nn.Module):

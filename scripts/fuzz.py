@@ -22,10 +22,10 @@ import sys
 import time
 
 try:
-    from aotgrad import fuzz
+    from aotgrad.testing import fuzz
 except ImportError:  # not installed: use the checkout's src/
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-    from aotgrad import fuzz
+    from aotgrad.testing import fuzz
 
 
 def main(argv=None) -> int:
@@ -53,17 +53,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     check_program = fuzz.check_program
     if args.subclass:
-        from aotgrad import fuzz_subclass
+        from aotgrad.testing.fuzz import subclass as fuzz_subclass
 
         check_program = fuzz_subclass.check_program
     if args.order == 2:
-        from aotgrad import fuzz_order2
+        from aotgrad.testing.fuzz import order2 as fuzz_order2
 
         check_program = fuzz_order2.check_program
         if args.subclass:  # second order with TwoTensor inputs
             import functools
 
-            from aotgrad import fuzz_subclass
+            from aotgrad.testing.fuzz import subclass as fuzz_subclass
 
             check_program = functools.partial(fuzz_order2.check_program,
                                               wrap_inputs=fuzz_subclass.with_two_tensor_inputs)

@@ -117,7 +117,7 @@ def _count_calls() -> dict:
     """Counts, filled as the job runs, of graphs the cache unpickled and graphs Inductor hashed."""
     from torch._inductor.codecache import FxGraphCache
 
-    import aotgrad.cache_load as cache_load
+    from aotgrad.cache import load as cache_load
 
     calls = {"graphs_unpickled": 0, "inductor_keys_computed": 0}
     load_graph, prepare_key = cache_load.load_graph, FxGraphCache.prepare_key

@@ -84,7 +84,7 @@ class Critic(nn.Module):
 def eager_runs_and_shows(text: str, render: str = "source"):
     """A shrinker predicate: "the bug" is `text` in the program (`render`: "source" or "render_f")
     in a program eager still runs."""
-    from aotgrad import fuzz
+    from aotgrad.testing import fuzz
 
     def still_fails(p) -> bool:
         if text not in getattr(p, render)():

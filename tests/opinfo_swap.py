@@ -16,7 +16,7 @@ import torch
 import torch.testing._internal.optests.aot_autograd as optests_aot
 
 import aotgrad
-from aotgrad.partition_mincut import min_cut_rematerialization_partition
+from aotgrad.partition.mincut import min_cut_rematerialization_partition
 
 _NAMES = ("compiled_function", "min_cut_rematerialization_partition", "default_partition", "nop")
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import aotgrad
 
-backend_module = sys.modules["aotgrad.backend"]
-input_checks = sys.modules["aotgrad.input_checks"]
+backend_module = sys.modules["aotgrad.backend.dynamo"]
+input_checks = sys.modules["aotgrad.runtime.input_checks"]
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import aotgrad
-from aotgrad import cache
+from aotgrad.cache import store as cache
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_job.py")
 
@@ -219,7 +219,7 @@ def test_other_aotgrad_version_is_a_miss(tmp_path, cached, monkeypatch):
     cached(tmp_path)
     _compile_f()
     monkeypatch.setattr(cache, "aotgrad_version", lambda: "another-version")
-    monkeypatch.setattr(aotgrad.cache_key, "aotgrad_version", lambda: "another-version")
+    monkeypatch.setattr(sys.modules["aotgrad.cache.key"], "aotgrad_version", lambda: "another-version")
     _compile_f()
     stats = aotgrad.cache_stats()
     assert stats["hits"] == 0 and stats["misses"] == 2 and stats["stores"] == 2, stats
@@ -328,7 +328,7 @@ def test_concurrent_stores_never_show_a_torn_entry(tmp_path, cached):
 
 
 def _count_graph_loads(monkeypatch) -> list:
-    import aotgrad.cache_load as cache_load
+    from aotgrad.cache import load as cache_load
 
     loads: list = []
     load_graph = cache_load.load_graph
@@ -338,7 +338,7 @@ def _count_graph_loads(monkeypatch) -> list:
 
 def _count_pristine_loads(monkeypatch) -> list:
     """Graphs of a hit's differentiable / None-gradient backward unpickled (cache_higher.py)."""
-    import aotgrad.cache_load as cache_load
+    from aotgrad.cache import load as cache_load
 
     loads: list = []
     load = cache_load._Graphs.load
@@ -433,7 +433,7 @@ def test_create_graph_and_none_gradients_after_a_hit(tmp_path, cached, monkeypat
     """After a hit, a backward where some outputs get no gradient runs the backward specialised for
     their zeros (zero_tangents.py), from the pristine backward graph unpickled then; create_graph=True
     unpickles the pristine forward too and gives eager's (and the cold compile's) second derivatives."""
-    import aotgrad.zero_tangents as zero_tangents
+    from aotgrad.partition import zero_tangents
 
     specialised: list = []
     specialise = zero_tangents.specialise
@@ -457,7 +457,7 @@ def test_entry_without_pristine_graphs_refuses_create_graph(tmp_path, cached, mo
     """An entry whose pristine graphs could not be pickled is still a hit: first-order gradients
     (None ones included, through the plain backward) as eager's; create_graph=True refused, as a
     cold compile without a differentiable backward refuses it."""
-    import aotgrad.cache_serialize as cache_serialize
+    from aotgrad.cache import serialize as cache_serialize
     from aotgrad.errors import AotgradError
 
     monkeypatch.setattr(cache_serialize, "record", lambda *a: None)

@@ -7,8 +7,8 @@ import torch
 import torch.fx
 
 from aotgrad import aot_function, default_partition, nop
-from aotgrad.cse import eliminate_common_subexpressions
 from aotgrad.testing import check_against_eager
+from aotgrad.trace.cse import eliminate_common_subexpressions
 
 aten = torch.ops.aten
 

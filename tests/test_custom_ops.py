@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import aotgrad
 from aotgrad import aot_function, aot_module, nop
-from aotgrad.compilers import wants_functional_graphs
+from aotgrad.compile.compilers import wants_functional_graphs
 from aotgrad.errors import UnsupportedMutationError
 from aotgrad.testing import check_against_eager
 

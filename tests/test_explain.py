@@ -202,7 +202,7 @@ def test_refusal_is_reported_with_its_reason():
 
 
 def _html(report) -> str:
-    from aotgrad.explain_html import render_html
+    from aotgrad.explain.html import render_html
 
     return render_html(report)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import aotgrad
-from aotgrad.explain_browser import dump_dom, find_browser, png_stats, screenshot
+from aotgrad.explain.browser import dump_dom, find_browser, png_stats, screenshot
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import torch
 from helpers import eager_runs_and_shows
 
 import aotgrad.api
-from aotgrad import AotgradError, fuzz
-from aotgrad.fuzz import NoGrad, Program, Stmt
+from aotgrad import AotgradError
+from aotgrad.testing import fuzz
+from aotgrad.testing.fuzz import NoGrad, Program, Stmt
 
 
 # 20,000 programs on seeds 31-34 gave 0 mismatches and 1 crash (seed 34 program 1289, now a refusal

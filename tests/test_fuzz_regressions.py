@@ -856,7 +856,7 @@ def test_fake_tensor_cache_does_not_leak_a_stale_storage_offset():
     the absolute as_strided offset was then not shifted (silently wrong values). Tracing an input at
     a non-zero storage offset now runs with the fake cache off."""
 
-    from aotgrad import fuzz
+    from aotgrad.testing import fuzz
 
     def second(a0):
         v0 = a0.unbind(0)[0]
@@ -948,7 +948,7 @@ def test_reshape_of_expanded_input_that_requires_grad_copies_as_in_eager():
 
 
 def test_view_possible_agrees_with_aten():
-    from aotgrad.analysis import view_possible
+    from aotgrad.trace.analysis import view_possible
 
     for size, stride, shape in [((2, 1, 2), (0, 2, 1), (4,)), ((2, 3), (3, 1), (3, 2)), ((2, 3), (1, 2), (6,)),
                                 ((3, 2), (1, 3), (-1,)), ((4, 1), (1, 7), (2, 2)), ((2, 2), (0, 1), (2, 1, 2))]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from helpers import eager_runs_and_shows
 
-from aotgrad import fuzz
-from aotgrad.fuzz_shrink import _clean
+from aotgrad.testing import fuzz
+from aotgrad.testing.fuzz.shrink import _clean
 
 
 def _closing_over_w0(seed: int = 1):

@@ -9,7 +9,8 @@ import torch
 from helpers import counting_compiler
 from torch.testing._internal.two_tensor import TwoTensor
 
-from aotgrad import aot_function, guard_tensors, nop
+from aotgrad import aot_function, nop
+from aotgrad.signature import guard_tensors
 
 
 def _f(x):
@@ -94,7 +95,7 @@ def test_stricter_dispatch_keys_fall_back_to_the_signature():
 
 
 def test_symbolic_sizes_keep_python_conditions():
-    from aotgrad import dynamic_shapes
+    from aotgrad.dynamic import shapes as dynamic_shapes
 
     (fake,) = dynamic_shapes.symbolic_fakes([torch.randn(3)])
     assert isinstance(fake.shape[0], torch.SymInt)

@@ -464,7 +464,8 @@ def test_custom_function_in_the_second_derivative_is_refused():
 
 def test_fuzzer_second_order_mode():
     """`make fuzz ORDER=2` on a few programs: no crash, no mismatch."""
-    from aotgrad import fuzz, fuzz_order2
+    from aotgrad.testing import fuzz
+    from aotgrad.testing.fuzz import order2 as fuzz_order2
 
     summary = fuzz.run(30, seed=1, shrink_failures=False, out_dir=None, check_fn=fuzz_order2.check_program)
     assert not summary.failures, summary.report()

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from aotgrad import input_checks
+from aotgrad.runtime import input_checks
 
 
 def _overlap(tensors, extents) -> bool:

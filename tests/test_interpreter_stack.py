@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from aotgrad.interpreter_stack import on_roomy_stack
+from aotgrad.trace.interpreter_stack import on_roomy_stack
 
 CHUNKED_FRAMES = sys.implementation.name == "cpython" and sys.version_info >= (3, 11)
 

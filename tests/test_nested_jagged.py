@@ -15,7 +15,7 @@ import torch.nn as nn
 from test_subclass_symbolic import Counting
 
 import aotgrad
-from aotgrad.compilers import nop
+from aotgrad.compile.compilers import nop
 from aotgrad.errors import UnsupportedInputError
 
 LENGTHS = ([2, 3], [4, 1, 2], [3, 3, 1, 2])

@@ -28,8 +28,8 @@ from aotgrad import (
     mincut_partitioner,
     nop,
 )
-from aotgrad.partition_mincut import INFO_KEY
-from aotgrad.partition_ops import op_class
+from aotgrad.partition.mincut import INFO_KEY
+from aotgrad.partition.ops import op_class
 from aotgrad.testing import check_against_eager
 
 PARTITIONERS = {
@@ -447,7 +447,7 @@ def test_budget_does_not_split_a_value_that_is_not_row_separable():
 def test_row_split_positions():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from aotgrad.partition_split import row_split_positions
+    from aotgrad.partition.split import row_split_positions
 
     def f(x, w, b, v, s):
         return (torch.addmm(b, x, w), x.mm(w), x * v, x + s, torch.softmax(x, 0), x.cumsum(0), x.sum(0, keepdim=True),
@@ -469,8 +469,8 @@ def test_budget_near_one_recomputes_no_matmul():
 
 
 def test_budget_pick_is_monotone_for_any_menu():
-    from aotgrad.partition_budget import _Menu
-    from aotgrad.partition_graph import _Candidate
+    from aotgrad.partition.budget import _Menu
+    from aotgrad.partition.graph import _Candidate
 
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

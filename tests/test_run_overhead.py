@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
-from aotgrad import aot_function, nop, subclass_runtime
+from aotgrad import aot_function, nop
+from aotgrad.subclass import runtime as subclass_runtime
 
 
 def _merging(gm, example_inputs):
@@ -114,7 +115,7 @@ def test_fused_forward_calls_the_plain_forward_where_it_cannot_hold_it(monkeypat
 
 
 def test_inline_forward_refuses_other_sources_and_clashing_names():
-    from aotgrad.runtime import _Source
+    from aotgrad.runtime.runner import _Source
 
     def forward(ctx, *primals):
         return primals

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import aotgrad
-from aotgrad.compilers import nop
+from aotgrad.compile.compilers import nop
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 TIMEOUT = datetime.timedelta(seconds=30)

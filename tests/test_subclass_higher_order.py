@@ -16,7 +16,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
 from aotgrad import min_cut_rematerialization_partition
-from aotgrad.compilers import nop
+from aotgrad.compile.compilers import nop
 from aotgrad.errors import HigherOrderError
 
 D = torch.float64
@@ -301,7 +301,9 @@ def test_second_order_gradient_of_another_structure_refused_by_name():
 
 def test_fuzzer_second_order_with_two_tensor_inputs():
     # scripts/fuzz.py --order 2 --subclass: a few programs end to end (none may crash or mismatch)
-    from aotgrad import fuzz, fuzz_order2, fuzz_subclass
+    from aotgrad.testing import fuzz
+    from aotgrad.testing.fuzz import order2 as fuzz_order2
+    from aotgrad.testing.fuzz import subclass as fuzz_subclass
 
     outcomes = [fuzz_order2.check_program(fuzz.generate(0, k), wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
                 for k in range(12)]

@@ -18,9 +18,9 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils import _pytree as pytree
 
 import aotgrad
-from aotgrad.compilers import nop
+from aotgrad.compile.compilers import nop
 from aotgrad.errors import AotgradError, InplaceOnLeafError, UnsupportedMutationError
-from aotgrad.subclass_layout import is_subclass
+from aotgrad.signature.subclass_layout import is_subclass
 
 # ---------------------------------------------------------------------------------------------
 # Comparison with eager, level by level

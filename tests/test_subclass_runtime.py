@@ -12,9 +12,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
-from aotgrad.compilers import nop
+from aotgrad.compile.compilers import nop
 from aotgrad.errors import AotgradError, HigherOrderError
-from aotgrad.subclass_graphs import drop_detaches
+from aotgrad.subclass.graphs import drop_detaches
 
 
 @pytest.mark.parametrize("make", [
@@ -273,7 +273,8 @@ def test_requires_grad_on_subclass_input_still_refused():
 def test_fuzz_found_in_place_writes_into_subclass_inputs(index):
     # `make fuzz SUBCLASS=1 SEED=1`: writes into inputs requiring grad that are leaves, views, viewed
     # by outputs (also through .detach()) or share memory crashed or mismatched once rebased
-    from aotgrad import fuzz, fuzz_subclass
+    from aotgrad.testing import fuzz
+    from aotgrad.testing.fuzz import subclass as fuzz_subclass
 
     out = fuzz_subclass.check_program(fuzz.generate(1, index))
     assert out.kind in ("matched", "refused", "skipped"), out.message
@@ -284,7 +285,8 @@ def test_fuzz_found_mismatches_are_refused(index):
     """`make fuzz SUBCLASS=1 SEED=1`, programs past 2,000: silent wrong values from requires_grad_()
     or as_strided on a subclass value inside the program; now refused by name
     (subclass_trace_rules.py)."""
-    from aotgrad import fuzz, fuzz_subclass
+    from aotgrad.testing import fuzz
+    from aotgrad.testing.fuzz import subclass as fuzz_subclass
 
     out = fuzz_subclass.check_program(fuzz.generate(1, index))
     assert out.kind == "refused", out.message
@@ -295,7 +297,8 @@ def test_no_grad_view_of_subclass_intermediate_is_a_leaf_and_inputs_get_no_gradi
     """`make fuzz SUBCLASS=1 SEED=1` program 16735: a view of a TwoTensor intermediate taken under
     no_grad is a leaf requiring grad in eager, so nothing reaches the inputs (.grad stays None). The
     view's base was returned differentiable, which connected every input: zeros instead of None."""
-    from aotgrad import fuzz, fuzz_subclass
+    from aotgrad.testing import fuzz
+    from aotgrad.testing.fuzz import subclass as fuzz_subclass
 
     def f(a0, a1):
         v4 = torch.cat([a1, a0])

@@ -15,7 +15,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
 from aotgrad import observe
-from aotgrad.subclass_symbolic import SymbolicRun, specialize
+from aotgrad.dynamic.subclasses import SymbolicRun, specialize
 
 
 class Counting:
@@ -139,7 +139,7 @@ def test_specialize_replaces_every_symint():
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fake = mode.from_tensor(two(3, 4))
-    from aotgrad.subclass_layout import layout_of
+    from aotgrad.signature.subclass_layout import layout_of
 
     lay = layout_of(fake)
     assert lay.symbolic and any(isinstance(v, torch.SymInt) for v in lay.outer_size)
@@ -170,7 +170,7 @@ def test_aot_function_dynamic_one_trace_serves_several_sizes():
     def f(x, y):
         return (x * 2).sin() + y, x.view(-1), x.sum()
 
-    compiled = aotgrad.aot_function(f, aotgrad.compilers.nop, dynamic=True)
+    compiled = aotgrad.aot_function(f, aotgrad.nop, dynamic=True)
     for k, n in enumerate((3, 5, 7)):
         _aot_check(compiled, f, [two(n, 4), torch.randn(n, 4, requires_grad=True)])
         if k == 0:
@@ -184,7 +184,7 @@ def test_aot_function_dynamic_guard_keeps_nesting_and_inner_aliasing_apart():
     def f(x):
         return x * 2 + 1
 
-    compiled = aotgrad.aot_function(f, aotgrad.compilers.nop, dynamic=True)
+    compiled = aotgrad.aot_function(f, aotgrad.nop, dynamic=True)
     _aot_check(compiled, f, [two(3, 4)])
     entries = len(compiled.symbolic) + len(compiled.cache)
     _aot_check(compiled, f, [nested(5, 4)])

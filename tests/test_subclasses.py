@@ -14,9 +14,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 import aotgrad
-from aotgrad.compilers import nop
+from aotgrad.compile.compilers import nop
 from aotgrad.errors import AotgradError, InplaceOnLeafError, UnsupportedInputError, UnsupportedOutputError
-from aotgrad.subclass_layout import is_subclass, layout_of
+from aotgrad.signature.subclass_layout import is_subclass, layout_of
 
 # ---------------------------------------------------------------------------------------------
 # A subclass with constant metadata in its flatten context
@@ -545,7 +545,7 @@ def test_core_mutation_and_alias_tests_with_two_tensor_inputs(name, monkeypatch)
 
 
 def test_on_disk_cache_leaves_subclass_graphs_out(monkeypatch, tmp_path):
-    from aotgrad import cache
+    from aotgrad.cache import store as cache
 
     monkeypatch.setenv("AOTGRAD_CACHE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

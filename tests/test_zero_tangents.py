@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aotgrad import aot_function, nop
-from aotgrad.zero_tangents import specialise
+from aotgrad.partition.zero_tangents import specialise
 
 
 def _leaves(*shapes, seed=0):

@@ -14,7 +14,7 @@ from .api import (
     compiled_function,
     compiled_module,
 )
-from .compilers import (
+from .compile.compilers import (
     draw_graph,
     draw_graph_compile,
     get_aot_compilation_context,
@@ -27,7 +27,6 @@ from .compilers import (
     print_graph,
     set_model_name,
 )
-from .decompositions import default_decompositions
 from .errors import (
     AotgradError,
     BackwardMutationError,
@@ -38,9 +37,10 @@ from .errors import (
     UnsupportedMutationError,
     UnsupportedOutputError,
 )
-from .export import BackwardSignature, GraphSignature, aot_export_joint_simple, aot_export_module
+from .export.export import BackwardSignature, GraphSignature, aot_export_joint_simple, aot_export_module
 from .observe import compile_times
-from .partition import default_partition
+from .partition.default import default_partition
+from .trace.decompositions import default_decompositions
 
 __all__ = [
     "AOTModule",
@@ -82,16 +82,17 @@ __all__ = [
 # backend factory function; the module is importable as `aotgrad.backend` via `from aotgrad.backend
 # import ...` (sys.modules), which is how the `torch_dynamo_backends` entry points load it.
 from . import config  # noqa: E402
-from .backend import BackendCompileError, aotgrad_backend, aotgrad_eager, backend  # noqa: E402
-from .cache import cache_stats, clear_cache  # noqa: E402
+from .backend.dynamo import BackendCompileError, aotgrad_backend, aotgrad_eager, backend  # noqa: E402
+from .cache.store import cache_stats, clear_cache  # noqa: E402
 
 __all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "cache_stats", "clear_cache", "config"]
 
 # Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
 # (residuals.py); what compilation did, as text and HTML (explain_report.py; CLI: python -m aotgrad.explain).
-from .explain_report import Report as ExplainReport  # noqa: E402
-from .explain_report import explain  # noqa: E402
-from .partition_mincut import (  # noqa: E402
+from .explain.report import Report as ExplainReport  # noqa: E402
+from .explain.report import explain  # noqa: E402
+from .explain.residuals import ResidualReport, saved_residuals, saved_residuals_module  # noqa: E402
+from .partition.mincut import (  # noqa: E402
     POLICIES,
     PartitionInfo,
     checkpoint_name,
@@ -104,7 +105,6 @@ from .partition_mincut import (  # noqa: E402
     save_nothing,
     save_only_these_names,
 )
-from .residuals import ResidualReport, saved_residuals, saved_residuals_module  # noqa: E402
 
 __all__ += [
     "POLICIES",

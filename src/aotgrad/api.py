@@ -23,18 +23,21 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from . import config as config_module
-from . import dynamic_shapes, guards, lifting, observe, subclass_wrap
-from . import inputs as inputs_stage
-from .capture import capture
-from .capture_state import NeedsSyntheticBase, NeedsTraining
-from .compile import compile_inference, compile_training
+from . import observe
+from .compile.compile import compile_inference, compile_training
+from .dynamic import shapes as dynamic_shapes
 from .errors import AotgradError, DataDependentError
-from .interpreter_stack import on_roomy_stack
-from .module_state import ModuleState
-from .partition import default_partition
+from .partition.default import default_partition
 from .plan import symbols_in
-from .runtime import build_runner
-from .subclass_layout import NeedsSubclassBoundary
+from .runtime.runner import build_runner
+from .signature import guards, lifting
+from .signature import inputs as inputs_stage
+from .signature.module_state import ModuleState
+from .signature.subclass_layout import NeedsSubclassBoundary
+from .subclass import wrap as subclass_wrap
+from .trace.capture import capture
+from .trace.interpreter_stack import on_roomy_stack
+from .trace.state import NeedsSyntheticBase, NeedsTraining
 
 log = logging.getLogger("aotgrad.api")
 
