@@ -64,10 +64,12 @@ from ..api import AOTConfig, _functional_call, _named_state, _plan_depends_on_al
 from ..cache import store as cache
 from ..compile.compilers import nop, wants_functional_graphs
 from ..dynamic.shapes import caller_fakes as _fake_inputs
+from ..dynamic.shapes import concrete_values
 from ..dynamic.shapes import fake_state as _fake_state
 from ..dynamic.shapes import is_symbolic as _is_symbolic
 from ..dynamic.shapes import needs_concrete_sizes as _plan_needs_concrete_sizes
 from ..dynamic.shapes import sizes_determined as _sizes_determined
+from ..explain.graphs import explain_graph
 from ..inductor.compilers import (
     _fake_bw_inputs,
     _inductor_decompositions,
@@ -82,7 +84,7 @@ from ..runtime.input_checks import InputsChecked
 from ..signature.inputs import alias_key, is_wrapper
 from ..trace.interpreter_stack import on_roomy_stack
 from .distributed import on_rank
-from .shapes import _anchor_positions, _Anchored, _concrete, _fake_anchors, _ignoring_anchors, _PerShape
+from .shapes import _anchor_positions, _Anchored, _fake_anchors, _ignoring_anchors, _PerShape
 
 __all__ = [
     "BackendCompileError",
@@ -172,9 +174,7 @@ class AotgradBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
         chosen = self._with_compile_options(example_inputs, **kwargs)
-        if config.explain_dir:  # one report per graph (explain_compile.py); never fails the compile
-            from ..explain.graphs import explain_graph
-
+        if config.explain_dir:  # one report per graph (explain/graphs.py); never fails the compile
             explain_graph(gm, example_inputs, chosen, config.explain_dir)
         try:
             with chosen._inductor_patches():
@@ -325,7 +325,7 @@ class AotgradBackend:
             # current shapes are compiled now, so errors surface here, not at the first call.
             _specialise_dynamic_floats(gm)
             per_shape = _PerShape(fn, self._aot_config(False))
-            per_shape.prepare(list(state) + _concrete(example_inputs))
+            per_shape.prepare(list(state) + concrete_values(example_inputs))
             run = per_shape
         elif sizes_checked or _plan_depends_on_aliasing(run.plan):
             # What Dynamo does not guard, checked per call (input_checks.py), with plans compiled

@@ -118,12 +118,3 @@ def _ignoring_anchors(fn: Callable, n: int) -> Callable:
     return call
 
 
-def _concrete(example_inputs: list) -> list:
-    """Real example values: SymInt examples replaced by their hints."""
-    out = []
-    for x in example_inputs:
-        if isinstance(x, torch.SymInt):
-            hint = x.node.hint
-            x = x if hint is None else hint if isinstance(hint, torch.SymInt) else int(hint)  # a nested int stays
-        out.append(x)
-    return out

@@ -376,3 +376,14 @@ def find(entries: Sequence[tuple], leaves: Sequence[Any], spec) -> Callable | No
         if entry_spec == spec and guard(leaves):
             return run
     return None
+
+
+def concrete_values(example_inputs: list) -> list:
+    """Real example values: SymInt examples replaced by their hints."""
+    out = []
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            hint = x.node.hint
+            x = x if hint is None else hint if isinstance(hint, torch.SymInt) else int(hint)  # a nested int stays
+        out.append(x)
+    return out

@@ -45,13 +45,13 @@ def _decompositions(backend: Any) -> dict | None:
 
 def explain_graph(gm: torch.fx.GraphModule, example_inputs: list, backend: Any, directory: str) -> str | None:
     """Write the report for one Dynamo graph into `directory`; return its path (None on failure)."""
-    from ..backend.shapes import _concrete
+    from ..dynamic.shapes import concrete_values
     from .report import explain
     from .residuals import _fmt_bytes
 
     try:
         os.makedirs(directory, exist_ok=True)
-        args = _concrete(list(example_inputs))
+        args = concrete_values(list(example_inputs))
         gm, floats = _specialise_items(gm, args)
         report = torch._dynamo.disable(explain)(
             gm, *args, partition_fn=backend._partition_fn(), decompositions=_decompositions(backend))

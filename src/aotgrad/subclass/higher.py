@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from ..errors import HigherOrderError
-from ..higher_order.backward import SAVED_UNPACK
 from ..signature.subclass_layout import SubclassLayout, flatten, layout_of, rebuild, same_structure
 from ..trace.backward import _recorded_graph
+from ..trace.higher_order_marks import SAVED_UNPACK
 
 log = logging.getLogger("aotgrad.subclass")
 

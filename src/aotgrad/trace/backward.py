@@ -16,9 +16,9 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, trac
 
 from .. import node_meta
 from ..errors import AotgradError, BackwardMutationError, UnsupportedMutationError
-from ..higher_order.backward import tag_saved_unpacks
 from ..signature import ambient
 from . import analysis
+from .higher_order_marks import tag_saved_unpacks
 from .state import BACKWARD_MUTATION, _Forward, _last_node, _recorder
 from .tracer import LeanTracer
 

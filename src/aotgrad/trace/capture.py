@@ -33,13 +33,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..errors import AotgradError, UnsupportedAliasingError, UnsupportedMutationError, UnsupportedOutputError
-from ..higher_order.backward import missing_derivative
 from ..plan import Captured, InputLayout, Plan
 from ..signature import ambient, subclass_layout
 from ..signature.inputs import storage_groups as shared_storage_groups
 from . import analysis
 from .backward import _trace_backward
 from .cse import eliminate_common_subexpressions
+from .higher_order_marks import missing_derivative
 from .inputs import (
     _analyse_inputs,
     _analyse_leaf_views,

@@ -29,7 +29,7 @@ from torch.fx import Graph, Node
 
 # Meta entries that make two otherwise equal nodes different for later stages: torch.utils.checkpoint's
 # selective-checkpoint tags, partition_ops.NAME_KEY (spelled out, so cse imports no partitioner), and
-# higher_order.SAVED_UNPACK.
+# higher_order_marks.SAVED_UNPACK.
 _DISTINGUISHING_META = ("recompute", "ac_graph_id", "aotgrad_checkpoint_names", "aotgrad_saved_unpack")
 _NEVER_MERGED = {torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default}
 
