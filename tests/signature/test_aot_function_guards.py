@@ -24,7 +24,7 @@ from helpers import counting_compiler
 import aotgrad
 from aotgrad import AotgradError, UnsupportedInputError, aot_function, aot_module, aot_module_simplified, nop
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # 1. closed-over tensors ---------------------------------------------------------------------------

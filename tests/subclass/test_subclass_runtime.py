@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import is_fused_run, run_source
-from test_subclasses import assert_same, nested, run_both, two
+from helpers import assert_same, is_fused_run, nested, run_both, run_source, two
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.two_tensor import TwoTensor
 

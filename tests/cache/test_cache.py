@@ -20,7 +20,7 @@ import torch
 import aotgrad
 from aotgrad.cache import store as cache
 
-JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_job.py")
+JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cache_job.py")
 
 
 def _env(cache_dir) -> dict:

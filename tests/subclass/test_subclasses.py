@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import _clone, assert_same, nested, run_both, two
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import return_and_correct_aliasing
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 import aotgrad
 from aotgrad.compile.compilers import nop
 from aotgrad.errors import AotgradError, InplaceOnLeafError, UnsupportedInputError, UnsupportedOutputError
-from aotgrad.signature.subclass_layout import is_subclass, layout_of
+from aotgrad.signature.subclass_layout import is_subclass
 
 # ---------------------------------------------------------------------------------------------
 # A subclass with constant metadata in its flatten context
@@ -57,78 +58,6 @@ class ScaledTensor(torch.Tensor):
         return return_and_correct_aliasing(func, args, kwargs, out)
 
 
-# ---------------------------------------------------------------------------------------------
-# Comparison with eager
-
-
-def _clone(x):
-    """A deep copy of an argument keeping type, nesting, requires_grad and leaf-ness."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    rg = x.requires_grad
-    with torch.no_grad():
-        if is_subclass(x):
-            attrs, ctx = x.__tensor_flatten__()
-            inner = {a: _clone(getattr(x, a)) for a in attrs}
-            c = type(x).__tensor_unflatten__(inner, ctx, x.shape, x.stride())
-        else:
-            c = x.clone()
-    return c.requires_grad_(rg) if rg else c
-
-
-def assert_same(a, b, what="value"):
-    assert type(a) is type(b), f"{what}: {type(a).__name__} vs {type(b).__name__}"
-    if not isinstance(a, torch.Tensor):
-        assert a == b, what
-        return
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    assert a.requires_grad == b.requires_grad, f"{what}: requires_grad"
-    assert (a.grad_fn is None) == (b.grad_fn is None), f"{what}: grad_fn {a.grad_fn} vs {b.grad_fn}"
-    if is_subclass(a):
-        la, lb = layout_of(a), layout_of(b)
-        assert la.ctx_key == lb.ctx_key and la.attrs == lb.attrs, f"{what}: flatten context"
-        for attr in la.attrs:
-            assert_same(getattr(a, attr).detach(), getattr(b, attr).detach(), f"{what}.{attr}")
-    else:
-        torch.testing.assert_close(a.detach(), b.detach(), msg=what)
-
-
-def run_both(fn, make_inputs, compiler=nop, backward=True, **aot_kwargs):
-    """Run `fn` eagerly and through aot_function on equal inputs; compare everything."""
-    eager_in = make_inputs()
-    memo: dict = {}
-    ours_in = [memo.setdefault(id(x), _clone(x)) for x in eager_in]  # keeps which arguments are one object
-    compiled = aotgrad.aot_function(fn, compiler, **aot_kwargs)
-    expected = fn(*eager_in)
-    got = compiled(*ours_in)
-    assert_same(got, expected, "output") if not isinstance(got, tuple) else [
-        assert_same(g, e, f"output {i}") for i, (g, e) in enumerate(zip(got, expected))
-    ]
-    for i, (x, y) in enumerate(zip(ours_in, eager_in)):
-        assert_same(x, y, f"input {i} after the call")
-    if backward:
-        def losses(outs):  # one backward per output: each gets a gradient of its own type
-            return [o.sum() for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-        le, lg = losses(expected), losses(got)
-        if le:
-            torch.autograd.backward(le)
-            torch.autograd.backward(lg)
-            for i, (x, y) in enumerate(zip(ours_in, eager_in)):
-                if isinstance(y, torch.Tensor) and y.requires_grad and y.is_leaf:
-                    assert y.grad is not None
-                    assert_same(x.grad, y.grad, f"grad of input {i}")
-    return compiled, got, ours_in
-
-
-def two(*shape, requires_grad=True):
-    t = TwoTensor(torch.randn(*shape), torch.randn(*shape))
-    return t.requires_grad_() if requires_grad else t
-
-
-def nested(*shape, requires_grad=True):
-    t = TwoTensor(two(*shape, requires_grad=False), two(*shape, requires_grad=False))
-    return t.requires_grad_() if requires_grad else t
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from test_subclass_symbolic import Counting
+from helpers import Counting
 
 import aotgrad
 from aotgrad.compile.compilers import nop

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from helpers import is_fused_run, run_source
-from test_subclasses import _clone, assert_same
+from helpers import _clone, assert_same, is_fused_run, run_source
 from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
@@ -358,7 +357,7 @@ def test_dtensor_parameters_gradient_penalty_one_rank():
     import datetime
 
     import torch.distributed as dist
-    from test_subclass_dtensor import _free_port
+    from helpers import _free_port
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs gloo")

@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_subclasses import _clone, assert_same, nested, two
+from helpers import Counting, _clone, assert_same, nested, two
 from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
 from aotgrad import observe
 from aotgrad.dynamic.subclasses import SymbolicRun, specialize
-
-
-class Counting:
-    """A backend that counts the graphs Dynamo hands to aotgrad."""
-
-    def __init__(self, backend):
-        self.backend, self.graphs = backend, 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.backend(gm, example_inputs)
 
 
 def _captures() -> int:

@@ -267,7 +267,7 @@ def test_cli_runs_a_script_function_with_example_inputs(tmp_path):
             return torch.randn(4, 3), torch.randn(3, 5, requires_grad=True)
     """))
     out = tmp_path / "r.html"
-    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "src"))
     proc = subprocess.run([sys.executable, "-m", "aotgrad.explain", f"{script}:step", "--inputs", "make_inputs",
                            "--html", str(out), "--partitioner", "mincut", "--budget-points", "3"], capture_output=True, text=True, env=env,
                           timeout=300)
