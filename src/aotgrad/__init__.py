@@ -78,7 +78,7 @@ __all__ = [
     "set_model_name",
 ]
 
-# torch.compile backend (backend.py) and its switches (config.py). Note: `aotgrad.backend` is the
+# torch.compile backend (backend/dynamo.py) and its switches (config.py). Note: `aotgrad.backend` is the
 # backend factory function; the module is importable as `aotgrad.backend` via `from aotgrad.backend
 # import ...` (sys.modules), which is how the `torch_dynamo_backends` entry points load it.
 from . import config  # noqa: E402
@@ -87,8 +87,8 @@ from .cache.store import cache_stats, clear_cache  # noqa: E402
 
 __all__ += ["BackendCompileError", "aotgrad_backend", "aotgrad_eager", "backend", "cache_stats", "clear_cache", "config"]
 
-# Size-aware min-cut partitioner, memory budget and policies (partition_mincut.py); residual report
-# (residuals.py); what compilation did, as text and HTML (explain_report.py; CLI: python -m aotgrad.explain).
+# Size-aware min-cut partitioner, memory budget and policies (partition/mincut.py); residual report
+# (explain/residuals.py); what compilation did, as text and HTML (explain/report.py; CLI: python -m aotgrad.explain).
 from .explain.report import Report as ExplainReport  # noqa: E402
 from .explain.report import explain  # noqa: E402
 from .explain.residuals import ResidualReport, saved_residuals, saved_residuals_module  # noqa: E402

@@ -53,19 +53,19 @@ class AOTConfig:
     keep_inference_input_mutations: bool
     dynamic: bool
     enable_log: bool = True
-    disable_functionalization: bool = False  # compilers get graphs with in-place ops (inplace_graphs.py)
+    disable_functionalization: bool = False  # compilers get graphs with in-place ops (compile/inplace_graphs.py)
 
 
 def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
     """Run the whole pipeline for one input signature; return the generated `run(leaves)`.
 
-    It runs on a roomy interpreter stack (interpreter_stack.py): compile time then does not depend
+    It runs on a roomy interpreter stack (trace/interpreter_stack.py): compile time then does not depend
     on how deep the caller's stack is."""
     return on_roomy_stack(_compile_signature, fn, leaves, spec, config)
 
 
 def _compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:
-    if subclass_wrap.any_subclass(leaves):  # flattened at the boundary, plain inside (subclass_wrap.py)
+    if subclass_wrap.any_subclass(leaves):  # flattened at the boundary, plain inside (subclass/wrap.py)
         return subclass_wrap.compile_signature(fn, leaves, spec, config, _compile_signature)
     try:
         return _compile_plain_signature(fn, leaves, spec, config)
@@ -99,7 +99,7 @@ def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, 
                                      keep_inplace=config.disable_functionalization)
     plan = captured.plan
     # The caller's non-tensor arguments were needed for the trace only; the signature holds what it
-    # read off them (guards.py), so the cache must not keep them alive.
+    # read off them (signature/guards.py), so the cache must not keep them alive.
     plan = replace(plan, layout=replace(plan.layout, constants=dict.fromkeys(plan.layout.constants)))
     symbols = symbols_in(plan)
     if symbols:  # dynamic sizes in view arguments or restrides: read them off the inputs per call
@@ -136,7 +136,7 @@ class CompiledFunction:
     """What `aot_function` returns: a cache from input signature to generated run-time code.
 
     Tensors the function reaches without being passed them and that require grad are lifted
-    (lifting.py): found during a trace, they become leading arguments of every later call, so their
+    (signature/lifting.py): found during a trace, they become leading arguments of every later call, so their
     current values are read and their gradients computed. Past `config.recompile_limit` signatures
     it warns once, naming what keeps changing; past `config.recompile_hard_limit` new signatures run
     eagerly."""
@@ -148,7 +148,7 @@ class CompiledFunction:
         self.fast: list[tuple[Callable, Callable]] = []  # (guard, run) for flat positional calls
         self.lifted: tuple[torch.Tensor, ...] = ()  # closed-over tensors requiring grad, passed first
         self.recompiles: list[str] = []  # why each signature after the first was compiled
-        self.symbolic: list[tuple] = []  # (spec, guard, run) per entry serving many shapes (dynamic_shapes.py)
+        self.symbolic: list[tuple] = []  # (spec, guard, run) per entry serving many shapes (dynamic/shapes.py)
         self._warned: set[str] = set()
         self.__wrapped__ = fn
 
@@ -336,7 +336,7 @@ def aot_function(
 
     Compiles on the first call for each input signature (shapes, strides, dtypes, requires_grad,
     aliasing, non-tensor values, grad mode); later calls with the same signature only run the
-    generated run-time code. With `dynamic`, sizes are traced as symbols (dynamic_shapes.py): one
+    generated run-time code. With `dynamic`, sizes are traced as symbols (dynamic/shapes.py): one
     entry serves every shape its ShapeEnv's guards accept; others compile again. With `disable_functionalization`,
     compilers get graphs whose out-of-place ops are made in place again where safe (upstream's
     non-functional graphs); the trace itself stays functional, so results are the same.
@@ -369,7 +369,7 @@ def _functional_call(mod: nn.Module, names: list[str], num: int):
 
 class AOTModule(nn.Module):
     """What `aot_module` returns: calls the compiled function with the module's parameters and buffers
-    (read again, and recompiled for, when the module's state changes: module_state.py)."""
+    (read again, and recompiled for, when the module's state changes: signature/module_state.py)."""
 
     def __init__(self, mod: nn.Module, state: ModuleState):
         super().__init__()

@@ -28,10 +28,10 @@ symbolic_shapes: bool = True
 inductor_graph_passes: bool = True
 
 # Backend path only: write an `aotgrad.explain` HTML report per compiled graph, plus an index.html in
-# graph order, into this directory (explain_compile.py). Default: the AOTGRAD_EXPLAIN_DIR variable.
+# graph order, into this directory (explain/graphs.py). Default: the AOTGRAD_EXPLAIN_DIR variable.
 explain_dir: str | None = os.environ.get("AOTGRAD_EXPLAIN_DIR") or None
 
-# Backend path only: keep compiled graphs in an on-disk cache (cache.py) under Inductor's cache
+# Backend path only: keep compiled graphs in an on-disk cache (cache/store.py) under Inductor's cache
 # dir, so a new process compiling the same graph skips capture and partitioning. The environment
 # variable AOTGRAD_CACHE=0 turns it off too.
 cache: bool = True

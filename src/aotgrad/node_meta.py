@@ -8,7 +8,7 @@
 * `meta["tensor_meta"]` (and `meta["val"]`) on every node, filled in just before a compiler gets
   the graph (`complete`), so the trace itself does not pay for it.
 
-The lean recorder (tracer.py) calls `annotate` per node; the backward is traced inside
+The lean recorder (trace/tracer.py) calls `annotate` per node; the backward is traced inside
 `backward_phase()`.
 """
 

@@ -1,8 +1,8 @@
 """The plain data passed between pipeline stages.
 
-inputs.py builds an `InputLayout`; capture.py produces a `Captured` (the joint or inference graph plus
-a `Plan` of what the program did to its inputs and outputs); partition.py splits the graph;
-runtime.py turns the `Plan` into straight-line Python. Everything here is frozen and holds no
+signature/inputs.py builds an `InputLayout`; trace/capture.py produces a `Captured` (the joint or inference graph plus
+a `Plan` of what the program did to its inputs and outputs); partition/default.py splits the graph;
+runtime/runner.py turns the `Plan` into straight-line Python. Everything here is frozen and holds no
 tensors, so a plan can be printed, compared and cached.
 """
 

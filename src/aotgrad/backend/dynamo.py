@@ -39,8 +39,8 @@ Errors: a graph aotgrad cannot compile raises `BackendCompileError` (an `Aotgrad
 op and the line of the Dynamo graph being traced; with `aotgrad.config.fallback_to_eager = True` it
 warns and runs that graph eagerly instead.
 
-Modules: this one holds the Dynamo-facing backend; Inductor's side is backend_inductor.py, symbolic
-sizes and per-shape compiles backend_shapes.py, the compile context and errors backend_context.py.
+Modules: this one holds the Dynamo-facing backend; Inductor's side is inductor/compilers.py, symbolic
+sizes and per-shape compiles backend/shapes.py, the compile context and errors inductor/context.py.
 """
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ class AotgradBackend:
             per_shape.prepare(list(state) + concrete_values(example_inputs))
             run = per_shape
         elif sizes_checked or _plan_depends_on_aliasing(run.plan):
-            # What Dynamo does not guard, checked per call (input_checks.py), with plans compiled
+            # What Dynamo does not guard, checked per call (runtime/input_checks.py), with plans compiled
             # per signature for calls that fail: the sizes of inputs when the compiled forward does
             # not assert them, and, when the plan mutates inputs (or merged aliased inputs), that
             # the inputs alias each other as they did at compile time.

@@ -1,4 +1,4 @@
-"""A cache hit's differentiable backward: what higher_order.py and zero_tangents.py need, kept in
+"""A cache hit's differentiable backward: what higher_order/backward.py and partition/zero_tangents.py need, kept in
 the entry and unpickled only when a backward actually needs it.
 
 A cold training compile keeps pristine copies of the partitioned forward and backward graphs

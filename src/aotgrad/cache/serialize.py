@@ -3,13 +3,13 @@
 An entry is the `Plan`, per compiled graph a `GraphRecord` (Inductor's FX-graph cache key for its
 compiled code, and the graph exactly as aotgrad handed it to the compiler), the few facts the run
 time reads off the graphs (`GraphFacts`), and those `CompiledForward` reads off graphs that are not
-stored (the joint graph's value flow, the number of saved values). On a hit (cache_load.py) a graph
+stored (the joint graph's value flow, the number of saved values). On a hit (cache/load.py) a graph
 with an Inductor key comes back as Inductor's compiled code, loaded by that key: no trace, no
 partitioning, no graph unpickled and no graph hashed again. Graphs are written with torch.fx's
 `GraphPickler` (each node's fake value kept, re-created in the loading compile's fake mode); they are
 unpickled only for graphs without an Inductor key (custom compilers, `aotgrad_eager`) or when
 something needs the graph itself (compiled autograd, a backward under autocast). A training entry
-also holds the pristine graphs of the differentiable backward (cache_higher.py), unpickled when a
+also holds the pristine graphs of the differentiable backward (cache/higher.py), unpickled when a
 `create_graph=True` or None-gradient backward first runs.
 """
 
@@ -52,7 +52,7 @@ class TensorKind:
 
 @dataclass(frozen=True)
 class GraphFacts:
-    """What the run-time generator reads off the graphs (runtime.py), so a hit needs no graph:
+    """What the run-time generator reads off the graphs (runtime/runner.py), so a hit needs no graph:
     forward inputs an `as_strided_scatter` writes into, which forward outputs are tensors, and the
     differentiable outputs' tangents as the backward graph traced them."""
 
@@ -75,7 +75,7 @@ class Entry:
     gradient_from: tuple
     facts: GraphFacts
     fw_meta: dict  # the forward module's meta the backward compiler reads (Inductor's output strides)
-    # The pristine graphs of a differentiable / None-gradient backward (cache_higher.py), or None.
+    # The pristine graphs of a differentiable / None-gradient backward (cache/higher.py), or None.
     higher_order: HigherOrderRecord | None = None
 
 
@@ -88,7 +88,7 @@ class Recorder:
         self.forward_artifact: tuple[str, str | None] | None = None
         self.failure: str | None = None
         # Set once the entry is made: the compiled functions of a later differentiable backward
-        # (higher_order.py), built with the same compilers, are not this signature's forward.
+        # (higher_order/backward.py), built with the same compilers, are not this signature's forward.
         self.closed = False
 
     def wrap(self, compiler: Callable) -> Callable:
@@ -265,7 +265,7 @@ def with_backward(entry: Entry, artifact: tuple[str, str | None] | None) -> Entr
 
 
 def graph_facts(plan: Any, compiled: Any) -> GraphFacts:
-    """What the run time read off `compiled`'s graphs when it was built (runtime.py)."""
+    """What the run time read off `compiled`'s graphs when it was built (runtime/runner.py)."""
     from ..compile.compile import placeholder_values
     from ..runtime.runner import _output_values, _scattered_into
 

@@ -3,11 +3,11 @@
 A restarted job (a notebook re-run, every rank of a multi-process job) compiles the same Dynamo
 graphs again. With this cache, a graph compiled before comes back without tracing, analysis or
 partitioning: Inductor's compiled code is loaded by the FX-graph key stored with the entry (no graph
-unpickled or hashed again; cache_load.py), other compilers get the stored graphs, and the stored
+unpickled or hashed again; cache/load.py), other compilers get the stored graphs, and the stored
 plan goes to the run-time generator.
 
 Where: `<Inductor's cache dir>/aotgrad/` (`TORCHINDUCTOR_CACHE_DIR`, else
-`/tmp/torchinductor_<user>`), one file per key (cache_key.py). On by default; off with
+`/tmp/torchinductor_<user>`), one file per key (cache/key.py). On by default; off with
 `aotgrad.config.cache = False` or the environment variable `AOTGRAD_CACHE=0`. `cache_stats()`
 counts hits and misses; each miss is logged with its reason on `logging.getLogger("aotgrad.cache")`.
 

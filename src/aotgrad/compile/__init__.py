@@ -2,7 +2,7 @@
 
 Takes the partitioned graphs and the user's `fw_compiler` / `bw_compiler` / `inference_compiler`;
 returns `CompiledForward` (boxed forward now, backward compiled lazily on first use). Decides what
-the compilers see: functional graphs, custom mutable ops re-inplaced (`reinplace.py`), input
+the compilers see: functional graphs, custom mutable ops re-inplaced (`compile/reinplace.py`), input
 mutations kept in the graph where asked, a backward per set of outputs without gradient.
-`compilers.py` holds the functorch.compile-compatible compilers (`nop`, `print_compile`, ...).
+`compile/compilers.py` holds the functorch.compile-compatible compilers (`nop`, `print_compile`, ...).
 """

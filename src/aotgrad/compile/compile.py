@@ -5,7 +5,7 @@ because many compiled functions never run one and backward compilation can be as
 A backward with symbolic sizes is compiled now too: its compiler may specialise a size, and that
 guard must exist before the caller caches the compiled function.
 Before a graph goes to its compiler, functionalized custom-op calls are put back in place where
-that is safe (reinplace.py), unless the compiler does that itself.
+that is safe (compile/reinplace.py), unless the compiler does that itself.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class CompiledForward:
     bw_module: torch.fx.GraphModule | None = None
     bw_compiler: Callable | None = None
     aot_id: int = 0  # names the graphs for compilers that ask (compilers.get_aot_graph_name)
-    higher_order: HigherOrder | None = None  # the differentiable backward (higher_order.py)
+    higher_order: HigherOrder | None = None  # the differentiable backward (higher_order/backward.py)
     keep_inplace: bool = False  # disable_functionalization=True: compilers get in-place ops back
     facts: Any = None  # a cache hit's GraphFacts: what the run time would read off graphs not loaded
     _backward: Callable | None = field(default=None, repr=False)
@@ -86,7 +86,7 @@ class CompiledForward:
 
     def backward_with_none_tangents(self, nones: tuple[bool, ...], args: list) -> list:
         """Run the backward when the tangents flagged in `nones` came as None (zeros in `args`):
-        a backward specialised for those zeros (zero_tangents.py), compiled once per set; the
+        a backward specialised for those zeros (partition/zero_tangents.py), compiled once per set; the
         plain backward where that simplifies nothing or no unchanged copy of the graph is kept."""
         compiled = self._zero_backwards.get(nones)
         if compiled is None:
@@ -108,7 +108,7 @@ class CompiledForward:
 
     def backward_under_autocast(self, args: list) -> list:
         """Run the backward as eager's runs when `.backward()` is called under autocast: the
-        backward graph re-traced under that state (ambient.py), compiled once per state and shapes."""
+        backward graph re-traced under that state (signature/ambient.py), compiled once per state and shapes."""
         key = (ambient.autocast_key(), tuple(_arg_key(a) for a in args))
         compiled = self._autocast_backwards.get(key)
         if compiled is None:

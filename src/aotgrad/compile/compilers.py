@@ -42,7 +42,7 @@ def boxed(compiled: Callable) -> Callable:
 def wants_functional_graphs(compiler: Callable) -> Callable:
     """Mark `compiler` as one that re-inplaces functionalized custom-op calls itself (Inductor does):
     aotgrad then hands it graphs with their `auto_functionalized_v2` nodes as traced, instead of
-    running its own re-inplacing pass (reinplace.py) first."""
+    running its own re-inplacing pass (compile/reinplace.py) first."""
 
     def compiler_of_functional_graphs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         return compiler(gm, example_inputs)

@@ -5,7 +5,7 @@ on fake inputs whose sizes are symbols of a `ShapeEnv`; capture records with `ma
 partitioner saves the backward's size symbols as plain ints, `Plan.symbol_sources` reads the
 run time's ones off the inputs):
 
-- the torch.compile backend (backend.py) on Dynamo's fakes (`caller_fakes`); Dynamo guards;
+- the torch.compile backend (backend/dynamo.py) on Dynamo's fakes (`caller_fakes`); Dynamo guards;
 - `aot_function(..., dynamic=True)`: fakes in a new `ShapeEnv` (`symbolic_fakes`), every size a
   duck-sized symbol as upstream makes them (0/1 specialized, equal sizes sharing a symbol);
 - `aot_module_simplified(gm, example_inputs)` given fakes, or called inside Dynamo's tracing
@@ -290,7 +290,7 @@ def call_guard(fakes: Sequence[Any], reals: Sequence[Any], check_aliasing: bool)
                       f"{v}.layout is torch.strided", f"{v}.dim() == {x.dim()}"]
             if check_aliasing:
                 conds.append(f"{v}.is_leaf is {x.is_leaf}")
-            if is_subclass(x):  # its type, context, nesting, inner tensors (subclass_symbolic.py)
+            if is_subclass(x):  # its type, context, nesting, inner tensors (dynamic/subclasses.py)
                 conds += subclass_symbolic.structure_conditions(x, v, scope)
         elif isinstance(x, torch.SymInt):
             conds.append(f"type({v}) is int")

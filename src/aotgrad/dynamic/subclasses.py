@@ -2,7 +2,7 @@
 
 Traced on fakes with symbolic sizes (Dynamo's `dynamic=True` / `mark_dynamic`), a subclass's outer
 size and stride, and the view arguments of outputs replayed at the subclass level, are SymInts.
-The plain pipeline inside is shape-generic already (dynamic_shapes.py); only the boundary's
+The plain pipeline inside is shape-generic already (dynamic/shapes.py); only the boundary's
 run time (subclass_runtime.build_run) bakes layouts into generated code. So the boundary of a
 symbolic signature becomes a `SymbolicRun`: per call it reads the symbols' values off the caller's
 leaves (a generated straight-line reader: `(l0, l2.a.shape[0], ...)`), and runs the boundary's
@@ -224,7 +224,7 @@ def runner(boundary, leaves: Sequence[Any], build: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------
-# aot_function(dynamic=True): subclass arguments in a ShapeEnv of aotgrad's own (dynamic_shapes.py)
+# aot_function(dynamic=True): subclass arguments in a ShapeEnv of aotgrad's own (dynamic/shapes.py)
 
 
 def symbolic_ok(x: torch.Tensor) -> bool:

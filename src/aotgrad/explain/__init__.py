@@ -2,7 +2,7 @@
 
 Takes a function or module and example inputs; compiles copies with the `nop` compiler and returns a
 `Report` read off what the pipeline produced: the plan, the graphs with source lines
-(`residuals.py`), saved values against eager's, a memory timeline (`memory.py`) and the budget
+(`explain/residuals.py`), saved values against eager's, a memory timeline (`memory.py`) and the budget
 curve; `html.py` renders it, `graphs.py` writes a page per Dynamo graph (`config.explain_dir`),
 `cli.py` is `python -m aotgrad.explain`. Nothing in the pipeline imports this folder.
 

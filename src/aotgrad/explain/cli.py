@@ -4,7 +4,7 @@ Loads the script as a module (its `if __name__ == "__main__":` block does not ru
 `function` (a function, an nn.Module instance, or an nn.Module class / factory called with no
 arguments: whichever it is), calls the script's `--inputs` function for the example arguments (a
 tuple of positional arguments, or a dict with "args" and "kwargs"), and prints the report; `--html`
-also writes the page. The library function is `aotgrad.explain` (explain_report.py).
+also writes the page. The library function is `aotgrad.explain` (explain/report.py).
 """
 
 from __future__ import annotations

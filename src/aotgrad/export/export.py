@@ -7,7 +7,7 @@ placeholder is which parameter or buffer, which output is whose new value or gra
 around the graph, so whatever aotgrad's run time would do (apply a mutation, rebuild a view) must be
 expressible inside it; the rest is refused with an `AotgradError`.
 
-Built on the single capture (capture.py): the plan says which graph outputs are new input values and
+Built on the single capture (trace/capture.py): the plan says which graph outputs are new input values and
 how each user output is made. With `trace_joint`, the joint graph's tangent inputs are replaced by
 `ones_like(loss)` (zeros for the other differentiable values), so its gradient outputs are those of
 the scalar loss.
@@ -106,9 +106,9 @@ def aot_export_module(
         if not isinstance(x, torch.Tensor):
             raise UnsupportedInputError(f"aotgrad.aot_export_module: user input {i} is a {type(x).__name__}; "
                                         "the graph takes tensors only (bind it with functools.partial).")
-    leaves = export_leaves(leaves, len(state), dynamic_shapes)  # symbolic sizes (dynamic_shapes.py)
+    leaves = export_leaves(leaves, len(state), dynamic_shapes)  # symbolic sizes (dynamic/shapes.py)
     kinds = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["user input"] * (len(leaves) - len(state))
-    if pre_dispatch:  # the pre-dispatch aten graph, traced on its own (export_pre_dispatch.py)
+    if pre_dispatch:  # the pre-dispatch aten graph, traced on its own (export/pre_dispatch.py)
         gm, fields = export_pre_dispatch.export(fn, leaves, in_spec, names, kinds, trace_joint, decompositions)
         return gm, GraphSignature(**fields)
     layout, captured = _capture_for_export(fn, leaves, in_spec, trace_joint, decompositions)

@@ -1,5 +1,5 @@
 """`aot_export_module(..., pre_dispatch=True)`: the pre-dispatch aten graph, functional, with the
-`GraphSignature` contract of export.py.
+`GraphSignature` contract of export/export.py.
 
 A pre-dispatch graph is recorded above autograd: ops keep their composite form (`aten.linear`,
 `aten.dropout`), grad-mode changes stay in the graph as `torch._C._set_grad_enabled` calls, and

@@ -9,7 +9,7 @@ backward instead, which computes the same gradients through functions aotgrad co
     B(saved values, tangents)       -> the gradient of each primal
 
 `R` is the forward graph cut down to those saved values; `B` is the backward graph. Both are
-traced from pristine copies of the partitioned graphs (compile.py keeps them before any compiler
+traced from pristine copies of the partitioned graphs (compile/compile.py keeps them before any compiler
 touches them) through `CompiledFunction`, so each is cached per input signature and its own
 backward is differentiable the same way: third and higher orders come by recursion.
 
@@ -20,7 +20,7 @@ to the plain backward's. Non-floating saved values (masks, indices, maybe drawn 
 derivative: `R` takes them as inputs, so a dropout mask is not drawn again.
 
 First-order cost: the compiled forward keeps a reference to its inputs on the autograd context
-(`ctx.primals`, dropped by a first-order backward that frees the graph), and compile.py copies the
+(`ctx.primals`, dropped by a first-order backward that frees the graph), and compile/compile.py copies the
 two partitioned graphs once per compiled signature. Nothing else runs unless a backward runs with
 grad mode on.
 
@@ -65,7 +65,7 @@ def _undetach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `gm`'s graph (nodes and their meta dicts), so that compilers and the in-place
-    rewrites of compile.py may change the original."""
+    rewrites of compile/compile.py may change the original."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)

@@ -23,7 +23,7 @@ class BackendCompileError(AotgradError):
     """aotgrad could not compile a graph Dynamo handed it (see the message for the op and line)."""
 
 
-# Shared with aot_function(dynamic=True), aot_module_simplified and export (dynamic_shapes.py).
+# Shared with aot_function(dynamic=True), aot_module_simplified and export (dynamic/shapes.py).
 _context_fake_mode = dynamic_shapes.context_fake_mode
 _compile_context = dynamic_shapes.compile_context
 

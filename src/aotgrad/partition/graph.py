@@ -1,5 +1,5 @@
 """The joint graph as a min-cut problem: `_Joint` (forward region, required values, the flow network)
-and cut candidates. Shared by partition_mincut.py, partition_budget.py and partition_split.py.
+and cut candidates. Shared by partition/mincut.py, partition/budget.py and partition/split.py.
 """
 
 from __future__ import annotations

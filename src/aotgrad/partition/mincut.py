@@ -115,8 +115,8 @@ Side effects (effect-token sinks, backward mutations of inputs) run where `parti
 puts them; the partition info is attached to both modules as `meta["aotgrad_partition"]`.
 
 Modules: this one holds the entry points and `PartitionInfo`; op costs and classes are in
-partition_ops.py, the policies in partition_policies.py, the joint graph as a cut problem in
-partition_graph.py, the memory budget in partition_budget.py, activation splitting in partition_split.py.
+partition/ops.py, the policies in partition/policies.py, the joint graph as a cut problem in
+partition/graph.py, the memory budget in partition/budget.py, activation splitting in partition/split.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ zeros cost four of the step's 27 large matmuls.
 `specialise(gm, zero)` copies the backward graph with the tangents at `zero` known to be zero,
 propagates that through the operators where the result is known (a product with zero is zero, a
 sum with zero is the other operand, a view or reduction of zero is zero) and drops what no output
-reads any more. The run time compiles one such graph per set of None tangents (compile.py) and
+reads any more. The run time compiles one such graph per set of None tangents (compile/compile.py) and
 keeps the calling convention: the zero tangents are still passed, and ignored.
 """
 

@@ -153,7 +153,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     if n_o:
         fw.emit(f"ctx.saved_other = outs[{n_out + n_t}:{n_out + n_t + n_o}]")
     higher = compiled.higher_order
-    if higher is not None:  # for a differentiable backward (higher_order.py); one reference, no copy
+    if higher is not None:  # for a differentiable backward (higher_order/backward.py); one reference, no copy
         fw.emit("ctx.primals = primals")
     outs = [f"o{i}" for i in range(n_out)]
     fw.emit(f"{_tuple_src(outs)} = outs[:{n_out}]")
@@ -162,7 +162,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     fw.emit(f"outs = {_tuple_src(outs)}")
     unreached = _unreached_when_none(plan, compiled, diff)
     # Outputs that get no gradient are seen as None, for the inputs eager leaves None (below) and
-    # for a backward specialised for their zeros (zero_tangents.py; where no unchanged copy of the
+    # for a backward specialised for their zeros (partition/zero_tangents.py; where no unchanged copy of the
     # backward graph was kept, the plain backward runs: the same code either way).
     none_aware = bool(unreached) or len(diff) >= 2
     static_shapes = _static_tangent_shapes(compiled, len(diff)) if none_aware else None
@@ -198,7 +198,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     else:
         parts += [f"_contig(grads[{i}], {i})" for i in diff]
     bw.emit(f"args = [{', '.join(parts)}]")
-    # Eager's backward is cast by the autocast state in force when it runs (ambient.py).
+    # Eager's backward is cast by the autocast state in force when it runs (signature/ambient.py).
     bw.globals["_any_autocast"] = ambient.any_autocast
     run_bw = f"({cfw}.backward(args)(args) if not _any_autocast() else {cfw}.backward_under_autocast(args))"
     # Under compiled autograd Dynamo traces this backward: it gets the backward graph itself to
@@ -298,7 +298,7 @@ def _guarded_backward(backward: Callable, differentiable: Callable | None) -> Ca
     """The backward as autograd calls it, refusing what it cannot do and explaining what it refuses.
 
     - The compiled backward graph is not differentiable. Under `create_graph=True` (grad mode on)
-      eager records its gradients' history: run `differentiable` instead (higher_order.py), or,
+      eager records its gradients' history: run `differentiable` instead (higher_order/backward.py), or,
       without one, refuse rather than return gradients with none (a gradient penalty built on them
       would silently lose its second-order term).
     - A saved tensor modified in place since the forward (an output, a view of one, an input):
@@ -504,7 +504,7 @@ def _emit_epilogue(src: _Source, plan: Plan, written_in_place: frozenset[int], *
 
     for a in plan.epilogue:
         if isinstance(a, CopyInto) and a.primal in written_in_place:
-            # The compiled graph wrote the input itself (reinplace.py, compile._write_back_in_graph);
+            # The compiled graph wrote the input itself (compile/reinplace.py, compile._write_back_in_graph);
             # a compiled kernel's write does not bump the version counter as eager's copy_ does (the
             # training path bumps it inside the autograd.Function).
             continue

@@ -3,7 +3,7 @@
 A compiled graph is only valid for arguments like the ones it was traced with. `signature` is the
 cache key: for each tensor its type, shape, strides, offset, dtype, device, `requires_grad`,
 leaf-ness and which other arguments share its storage; for each non-tensor its value, identity (held
-weakly) or attribute snapshot (guards.py); plus grad mode. Anything else changes the key, so a graph that no longer fits is never reused.
+weakly) or attribute snapshot (signature/guards.py); plus grad mode. Anything else changes the key, so a graph that no longer fits is never reused.
 
 `layout_for` decides the graph inputs ("primals"): one per distinct tensor (duplicates collapse), or
 one *synthetic base* per group of arguments that view one storage when the program mutates them,

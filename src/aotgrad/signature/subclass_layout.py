@@ -5,7 +5,7 @@ float8 tensors) is flattened at the pipeline's boundary into its plain inner ten
 plain. `SubclassLayout` records, per subclass tensor, what is needed to rebuild it from those plain
 tensors: its type, flatten context (constant metadata), inner attribute names (nested recursively),
 outer size and stride. The layout is part of the signature: another type, nesting or context
-recompiles (subclass_wrap.py).
+recompiles (subclass/wrap.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class SubclassLayout:
     outer_size: tuple
     outer_stride: tuple
     num_plain: int
-    symbolic: bool = False  # SymInts in the outer size or stride (subclass_symbolic.py)
+    symbolic: bool = False  # SymInts in the outer size or stride (dynamic/subclasses.py)
 
     def describe(self) -> str:
         kids = ", ".join(f"{a}={_describe(k)}" for a, k in zip(self.attrs, self.inner))
@@ -80,7 +80,7 @@ def is_traced(t: Any) -> bool:
 
 class NeedsSubclassBoundary(AotgradError):
     """Internal: a program over plain arguments returned a subclass; compile it through the
-    subclass stage, which flattens outputs too (subclass_wrap.py)."""
+    subclass stage, which flattens outputs too (subclass/wrap.py)."""
 
 
 def refuse_subclass_outputs(flat_out: Sequence[Any]) -> None:

@@ -3,7 +3,7 @@
 Traced with symbolic sizes, a subclass layout's outer size and stride are SymInts of the caller's
 fakes; `make_fx` records a node for every computation on a SymInt and knows only those of its
 placeholders. So a subclass rebuilt in a trace gets its outer size rewritten over its inner
-tensors' own sizes, strides and offsets (subclass_symbolic.py has the rest of symbolic sizes at the
+tensors' own sizes, strides and offsets (dynamic/subclasses.py has the rest of symbolic sizes at the
 boundary; this module is apart so subclass_layout can use it without a cycle).
 """
 

@@ -1,7 +1,7 @@
 """Higher-order gradients through the subclass stage: a differentiable boundary.
 
 The boundary between a subclass and its plain inner tensors is crossed by autograd Functions
-(subclass_wrap.py): `_Wrap` (plain -> subclass; backward flattens the subclass gradient) and
+(subclass/wrap.py): `_Wrap` (plain -> subclass; backward flattens the subclass gradient) and
 `_Unwrap` (subclass -> plain; backward rebuilds it). Their first-order backward reads and builds
 inner tensors directly, which autograd does not record: under `create_graph=True` the gradients
 would lose their history at the boundary, and a second-order gradient would be silently missing.
@@ -9,7 +9,7 @@ would lose their history at the boundary, and a second-order gradient would be s
 Both operations are linear, so under grad mode their backward runs them as autograd Functions
 of their own (`_FlattenGrad`, `_RebuildGrad`), each the other's derivative: autograd records the
 crossing and differentiates through it, to any order. The plain part's differentiable backward is
-the plain pipeline's (higher_order.py). In a trace, the `detach`es of the boundary Functions'
+the plain pipeline's (higher_order/backward.py). In a trace, the `detach`es of the boundary Functions'
 forwards are tagged (`crossing`) so the plain differentiable backward's graphs drop them:
 they are the crossing, the identity on inner tensors, not a cut.
 
@@ -46,7 +46,7 @@ log = logging.getLogger("aotgrad.subclass")
 
 def crossing(fn: Callable, *args) -> Any:
     """`fn(*args)`, a boundary Function's forward in a trace: the `detach` nodes it records are tagged
-    as higher_order.py tags autograd's saved-value unpacks, so the differentiable backward's graphs
+    as higher_order/backward.py tags autograd's saved-value unpacks, so the differentiable backward's graphs
     drop them (the crossing is the identity on inner tensors; its derivative is the Function's
     backward, which the traced gradients already hold)."""
     graph = _recorded_graph()
@@ -148,7 +148,7 @@ def rebuild_grad(layout: SubclassLayout | None, name: str, grads: Sequence[Any])
 
 
 # ---------------------------------------------------------------------------------------------
-# Hooks for the boundary Functions of subclass_wrap.py (called only with grad mode on)
+# Hooks for the boundary Functions of subclass/wrap.py (called only with grad mode on)
 
 
 def wrap_backward(site, grad: torch.Tensor) -> tuple:
@@ -205,7 +205,7 @@ def _refuse_spread(site) -> None:
 
 
 def name_mutated_inputs(boundary, compiled) -> None:
-    """The plain run's refusals of inputs it mutated (higher_order.py) name the caller's argument,
+    """The plain run's refusals of inputs it mutated (higher_order/backward.py) name the caller's argument,
     not the flattened plain input: `input 1 (inner tensor 0 of a TwoTensor(...))`."""
     higher = getattr(compiled, "higher_order", None)
     if higher is None or not higher.mutated:

@@ -3,7 +3,7 @@
 A jagged NestedTensor is a traceable wrapper subclass over `values` (every component's rows,
 concatenated) and `offsets` (plus cached min/max sequence lengths); its ragged size is a *nested
 int* tied to its offsets tensor. The subclass stage flattens it like any other subclass
-(subclass_wrap.py). What is particular to it, and where it lives:
+(subclass/wrap.py). What is particular to it, and where it lives:
 
 - its offsets are integer metadata: passed as they are, never detached, so an output sharing its
   argument's offsets, and its gradient, have the argument's nested int as in eager

@@ -1,10 +1,10 @@
 """Generated run-time code of the subclass stage: guard conditions, prologue and epilogue.
 
-Per signature, straight-line Python as for plain programs (runtime.py): each subclass argument is
+Per signature, straight-line Python as for plain programs (runtime/runner.py): each subclass argument is
 read attribute by attribute (or unwrapped through `_Unwrap` where its gradient is needed), the
 compiled plain run is called, and each subclass output is rebuilt with its class's
 `__tensor_unflatten__` and the context the trace saw (through `_Wrap` where it is differentiable).
-No per-call walk over subclass metadata. `AOTGRAD_PRINT_RUNTIME=1` logs it (runtime.py).
+No per-call walk over subclass metadata. `AOTGRAD_PRINT_RUNTIME=1` logs it (runtime/runner.py).
 
     def run(leaves):
         (l0, l1, ) = leaves
@@ -222,7 +222,7 @@ def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> C
     if not _inline_forward(fw, plain_fn.forward, primals):
         fw.emit(f"outs = {fw.bind('plain_fw', plain_fn.forward)}(ctx, {', '.join(primals)})")
     higher = run_plain.compiled.higher_order is not None
-    if higher:  # for a create_graph=True backward (subclass_higher.py); one reference, no copy
+    if higher:  # for a create_graph=True backward (subclass/higher.py); one reference, no copy
         fw.emit(f"ctx.leaves = ({''.join(f'{x}, ' for x in leaves)})")
     outs, grads, nondiff = [], [], []
     for k, o in enumerate(boundary.outputs):
@@ -244,7 +244,7 @@ def build_fused_run(boundary, run_plain: Callable, examples: Sequence[Any]) -> C
         fw.emit(f"ctx.mark_non_differentiable(*getattr(ctx, 'non_differentiable', ()), {', '.join(nondiff)})")
     fw.emit(f"return {''.join(['('] + [f'{x}, ' for x in outs] + [')'])}")
     forward = fw.build("forward", f"def forward(ctx, {''.join(f'{x}, ' for x in leaves)}):")
-    # create_graph=True: a backward autograd records (subclass_higher.py), over the arguments it keeps
+    # create_graph=True: a backward autograd records (subclass/higher.py), over the arguments it keeps
     double = FusedDoubleBackward(boundary, plan, plain_fn.backward, higher)
     bw.emit(f"if {bw.bind('grad_enabled', torch.is_grad_enabled)}():")
     bw.emit(f"return {bw.bind('double', double)}(ctx, {''.join(f'g{k}, ' for k in range(len(outs)))})", 2)

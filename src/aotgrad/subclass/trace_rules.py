@@ -7,7 +7,7 @@ for both, so they are refused by name while the stage traces (`Boundary.plain_fu
 - `requires_grad_()` on a subclass value inside the program: a new autograd leaf at the subclass
   level, which the flattened graphs cannot represent (its inner tensors are no leaves of ours);
 - `detach_()` on a subclass value the program computed (views of it taken before keep their history
-  in eager; on an argument it is replayed: subclass_metadata.py);
+  in eager; on an argument it is replayed: subclass/metadata.py);
 - `as_strided` on a subclass value: storage offsets and strides are absolute coordinates of the
   subclass's own storage, while the trace sees inner tensors that may be clones or other layouts.
 

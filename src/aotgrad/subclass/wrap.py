@@ -1,9 +1,9 @@
 """The subclass stage: flatten traceable wrapper subclasses at the boundary, plain tensors inside.
 
-A call with subclass arguments (subclass_layout.py) is compiled as a call of a *plain* function over
+A call with subclass arguments (signature/subclass_layout.py) is compiled as a call of a *plain* function over
 the subclasses' inner tensors, through the ordinary pipeline unchanged:
 
-    fn_plain(*plain_leaves):                     # traced by capture.py like any function
+    fn_plain(*plain_leaves):                     # traced by trace/capture.py like any function
         x = _Wrap.apply(site, a, b)              # rebuild TwoTensor(a, b): __tensor_unflatten__
         out = fn(x, ...)                         # the subclass's __torch_dispatch__ runs on the
                                                  # functional inner tensors: plain aten graph
@@ -123,7 +123,7 @@ class _Site:
         layout = self.layout if self.tracing else self.grad_layout
         if layout is None:
             return None
-        if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass_higher.py)
+        if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass/higher.py)
             zero = subclass_higher.structural_zero(layout, grads)
             if zero is not None:
                 return zero
@@ -134,7 +134,7 @@ class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
         ctx.site = site
-        if site.tracing:  # its detaches tagged for a differentiable backward (subclass_higher.py)
+        if site.tracing:  # its detaches tagged for a differentiable backward (subclass/higher.py)
             return subclass_higher.crossing(_Wrap._forward, site, plains)
         # inner tensors without grad kept as they are: a NestedTensor output then shares its
         # argument's offsets, hence its nested int, as in eager
@@ -146,7 +146,7 @@ class _Wrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph=True: flattened as autograd records (subclass_higher.py)
+        if torch.is_grad_enabled():  # create_graph=True: flattened as autograd records (subclass/higher.py)
             return (None, *subclass_higher.wrap_backward(ctx.site, grad))
         return (None, *ctx.site.flatten_grad(grad))
 
@@ -155,7 +155,7 @@ class _Unwrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, t):
         ctx.site = site
-        if site.tracing:  # its detaches tagged for a differentiable backward (subclass_higher.py)
+        if site.tracing:  # its detaches tagged for a differentiable backward (subclass/higher.py)
             return subclass_higher.crossing(_Unwrap._forward, ctx, site, t)
         return _Unwrap._forward(ctx, site, t)
 
@@ -178,7 +178,7 @@ class _Unwrap(torch.autograd.Function):
         kept = getattr(ctx, "kept_inner", None)
         if kept is not None:
             grads = [g if m is None else m for g, m in zip(grads, kept)]
-        if torch.is_grad_enabled():  # create_graph=True: rebuilt as autograd records (subclass_higher.py)
+        if torch.is_grad_enabled():  # create_graph=True: rebuilt as autograd records (subclass/higher.py)
             return None, subclass_higher.unwrap_backward(ctx.site, grads)
         return None, ctx.site.rebuild_grad(grads)
 
@@ -560,7 +560,7 @@ class Boundary:
 
 
 def _refuse_nested(x: Any, name: str) -> None:
-    if isinstance(x, torch.Tensor) and x.is_nested and x.layout is not torch.jagged:  # jagged: nested_jagged.py
+    if isinstance(x, torch.Tensor) and x.is_nested and x.layout is not torch.jagged:  # jagged: subclass/nested_jagged.py
         raise UnsupportedInputError(
             f"aotgrad: {name} is a NestedTensor of layout {x.layout}; only jagged NestedTensors "
             "(layout=torch.jagged) are supported. Build it with layout=torch.jagged."
@@ -709,7 +709,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
         plain_leaves = boundary.plain_leaves(leaves)
         plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
         plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
-        if not spread:  # the boundary's own detaches (subclass_graphs.py); _Gather's views keep theirs
+        if not spread:  # the boundary's own detaches (subclass/graphs.py); _Gather's views keep theirs
             plain_config = with_folded_detaches(plain_config)
         try:
             run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
@@ -729,7 +729,7 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
         flatten(leaves[i], boundary.layouts[i], inner)
     # integer inner tensors (a NestedTensor's offsets) need the general run, which keeps them
     inner_requires_grad = any(p.requires_grad for p in inner) or bool(integer_positions(inner))
-    # generated per shape where the boundary's sizes are symbolic (subclass_symbolic.py)
+    # generated per shape where the boundary's sizes are symbolic (dynamic/subclasses.py)
     run = subclass_symbolic.runner(
         boundary, leaves, lambda b: b.runner(run_plain, mutated, plain_leaves, inner_requires_grad))
     run.plan = run_plain.plan

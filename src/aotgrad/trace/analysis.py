@@ -1,6 +1,6 @@
 """Stage 2 — analysis: read what the program did off its functional tensors.
 
-These functions run inside the single trace (capture.py), right after the user's forward returns
+These functions run inside the single trace (trace/capture.py), right after the user's forward returns
 and before the backward is traced, because the answers decide which values need tangents. Each one
 looks at `FunctionalTensor`s (the functionalization wrappers the program ran on) and returns plain
 data from plan.py.

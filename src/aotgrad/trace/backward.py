@@ -51,7 +51,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
     last_forward = _last_node()
     if diff and wrt:
         # Traced with autocast off: eager's backward is cast by the state in force when it runs,
-        # which the run time checks (ambient.py).
+        # which the run time checks (signature/ambient.py).
         with mode, _refuse_stale_saved_values(), _without_compiled_autograd(), ambient.no_autocast(), \
                 node_meta.backward_phase(_recorded_graph()):
             try:
@@ -71,7 +71,7 @@ def _trace_backward(fw: _Forward, primals, funs, bases, mode):
                     "a multi-output op (chunk, split) or after detach_(). Use out-of-place ops there."
                 ) from e
     _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun)
-    tag_saved_unpacks(last_forward.graph, last_forward)  # for higher-order gradients (higher_order.py)
+    tag_saved_unpacks(last_forward.graph, last_forward)  # for higher-order gradients (higher_order/backward.py)
     grads: list = [None] * len(funs)
     for k, g in zip(wrt, grads_wrt):
         grads[k] = analysis.unwrap(g) if g is not None else None
@@ -155,7 +155,7 @@ def _check_backward_mutations(fw, primals, bases, counts, metas, tangents_fun) -
             torch.ops.aten.copy_.default(primals[k], analysis.unwrap(b))
         _last_node().meta[BACKWARD_MUTATION] = True
         # Mutated in the forward too: the forward graph writes its new value into the input itself
-        # (backward_mutations.py), so the backward's copy_ finds the caller's tensor.
+        # (trace/backward_mutations.py), so the backward's copy_ finds the caller's tensor.
         fw.mutations[k] = replace(forward, in_backward=True)
     for n, t in enumerate(tangents_fun):
         torch._sync(t)

@@ -1,7 +1,7 @@
 """An input mutated in both the forward and the backward (seed 000, as torch 2.13 runs it).
 
 A data mutation in the backward is kept in the backward graph as `copy_(input, new value)`
-(capture_backward.py); the input reaches the backward as a saved tensor. When the forward mutated
+(trace/backward.py); the input reaches the backward as a saved tensor. When the forward mutated
 the input too, the run time would copy the forward's value in after the forward and the input saved
 for the backward would be a clone of the old value (partition.clone_saved_inputs), so the backward
 would write into the clone. Instead the forward graph writes its new value into the input itself

@@ -1,8 +1,8 @@
 """Stage 3 — capture: one trace yields the joint graph *and* the plan.
 
 Autograd sits above functionalization in the dispatcher, so we trace the user's forward once, on fake
-tensors that require grad, under `FunctionalTensorMode`, inside one recording session (tracer.py, or make_fx). At the end of
-the forward we read the mutation and alias facts off the functional wrappers (analysis.py), decide
+tensors that require grad, under `FunctionalTensorMode`, inside one recording session (trace/tracer.py, or make_fx). At the end of
+the forward we read the mutation and alias facts off the functional wrappers (trace/analysis.py), decide
 which values need tangents, add those tangents as new graph placeholders, and call
 `torch.autograd.grad` in the same session to trace the backward. Upstream traces the program two or
 three times to get the same result.
@@ -14,8 +14,8 @@ Graph inputs that require grad are cloned before the program sees them (a mutati
 value we differentiate with respect to); the clones are dropped from the finished graph, where they
 are no-ops.
 
-This module drives the trace; what it reads off the inputs is in capture_inputs.py, the outputs in
-capture_outputs.py, the traced backward in capture_backward.py, and what they share in capture_state.py.
+This module drives the trace; what it reads off the inputs is in trace/inputs.py, the outputs in
+trace/outputs.py, the traced backward in trace/backward.py, and what they share in trace/state.py.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _no_nan_checks():
 
 
 def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
-    """Run `traced` recording aten calls: with the lean recorder (tracer.py) when it can, else make_fx."""
+    """Run `traced` recording aten calls: with the lean recorder (trace/tracer.py) when it can, else make_fx."""
     recorder = LeanTracer(list(fake_primals), decompositions)
     try:
         with fake_mode, recorder:

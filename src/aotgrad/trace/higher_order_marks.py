@@ -27,7 +27,7 @@ def tag_saved_unpacks(graph: torch.fx.Graph, last_forward: torch.fx.Node | None)
     computed from a tangent; in the forward, the `detach` of a saved output that the program's own
     `autograd.grad(create_graph=True)` unpacked (`tracer.ENGINE_UNPACK`: autograd gave it the
     output's history, the graph does not), and a `detach` that only tagged nodes read. The
-    differentiable backward drops them (`_undetach`); the program's own `detach`es stay. cse.py
+    differentiable backward drops them (`_undetach`); the program's own `detach`es stay. trace/cse.py
     keeps tagged and untagged nodes apart."""
     if last_forward is None:
         return

@@ -1,7 +1,7 @@
 """Capture, inputs: what the traced program did to each input.
 
 Clones for grad, user leaves, storage groups, version bumps and views of leaves, read off the
-functional wrappers at the end of the forward (capture.py drives the trace).
+functional wrappers at the end of the forward (trace/capture.py drives the trace).
 """
 
 from __future__ import annotations

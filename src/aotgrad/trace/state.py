@@ -1,6 +1,6 @@
 """What one capture trace carries: the forward's facts (`_Forward`), the node recorder, and node tags.
 
-Shared by capture.py and the capture_* stages it drives, so none of them imports the driver.
+Shared by trace/capture.py and the capture_* stages it drives, so none of them imports the driver.
 """
 
 from __future__ import annotations

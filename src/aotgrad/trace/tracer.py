@@ -1,6 +1,6 @@
 """A lean recorder of aten calls into an FX graph — the part of `make_fx` aotgrad needs.
 
-capture.py runs the program on fake tensors under functionalization; this mode sits between
+trace/capture.py runs the program on fake tensors under functionalization; this mode sits between
 functionalization and the fake mode (where `make_fx`'s proxy mode would sit) and appends one FX node
 per aten call, with `meta["val"]` set to the fake result. It skips what `make_fx` does per op that
 aotgrad never reads (proxy objects, torch-function metadata, tensor-meta snapshots), which makes the
@@ -114,7 +114,7 @@ class LeanTracer(TorchDispatchMode):
         )
         if self.first_op is None:
             self.first_op = node
-        if not torch.is_grad_enabled():  # under no_grad, or in a custom Function's forward (higher_order.py)
+        if not torch.is_grad_enabled():  # under no_grad, or in a custom Function's forward (higher_order/backward.py)
             node.meta[NO_GRAD] = True
         elif target is torch.ops.aten.detach.default and torch._C._current_autograd_node() is not None:
             node.meta[ENGINE_UNPACK] = True  # the program's autograd.grad(create_graph=True) unpacked a saved output
@@ -184,7 +184,7 @@ class _NodeLookup:
 # Meta keys: a node recorded with grad mode off; a graph whose nodes carry that key.
 NO_GRAD = "aotgrad_no_grad"
 # A `detach` autograd's engine recorded while the program's own `autograd.grad(create_graph=True)`
-# ran: unpacking a saved output, which autograd gives the output's history (higher_order.py).
+# ran: unpacking a saved output, which autograd gives the output's history (higher_order/backward.py).
 ENGINE_UNPACK = "aotgrad_engine_unpack"
 GRAD_MODE_RECORDED = "aotgrad_grad_mode_recorded"
 

@@ -21,8 +21,8 @@ eager still runs and the failure stays the same).
     summary = fuzz.run(200, seed=0)           # or: python scripts/fuzz.py --n 200 --seed 0
     print(summary.report())
 
-Modules: programs and their generator in fuzz_programs.py, the runner in fuzz_check.py, the shrinker
-in fuzz_shrink.py, the summary and reproducers in fuzz_report.py; this one drives a run and keeps the
+Modules: programs and their generator in testing/fuzz/programs.py, the runner in testing/fuzz/check.py, the shrinker
+in testing/fuzz/shrink.py, the summary and reproducers in testing/fuzz/report.py; this one drives a run and keeps the
 public names importable from `aotgrad.fuzz`.
 """
 

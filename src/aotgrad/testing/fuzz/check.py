@@ -126,7 +126,7 @@ def check_program(
     with _quiet():
         try:
             f, make_inputs = materialize(prog)
-            if wrap_inputs is not None:  # e.g. TwoTensor inputs (fuzz_subclass.py)
+            if wrap_inputs is not None:  # e.g. TwoTensor inputs (testing/fuzz/subclass.py)
                 make_inputs = wrap_inputs(make_inputs)
         except Exception as e:
             return Outcome("skipped", "source", repr(e))

@@ -1,7 +1,7 @@
 """Closed-over tensors for the fuzzer's programs (fuzz_programs.generate calls `maybe_close_over`).
 
 Some programs also read a global tensor `W0` that requires grad and that they are not passed
-(aot_function lifts it: lifting.py). `make_inputs` rebinds the global to a fresh tensor on every
+(aot_function lifts it: signature/lifting.py). `make_inputs` rebinds the global to a fresh tensor on every
 call, so eager and each compiled call see a new object (the compiled function must follow the
 rebinding), and returns it among the roots, so its gradient is compared with eager's.
 """

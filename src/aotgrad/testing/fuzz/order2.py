@@ -1,6 +1,6 @@
 """Second-order fuzzing: the fuzzer's programs, differentiated twice (`scripts/fuzz.py --order 2`).
 
-For each generated program (fuzz.py), eagerly and compiled (the second compiled call takes the
+For each generated program (testing/fuzz/), eagerly and compiled (the second compiled call takes the
 cached path): a loss over the outputs, its gradient with `create_graph=True` with respect to every
 leaf input requiring grad, then the gradient of a loss over those gradients. First-order values,
 the first gradients and the second gradients must match eager (`--subclass`: with TwoTensor inputs,

@@ -3,7 +3,7 @@
 Each floating tensor `make_inputs` creates (with `torch.randn`, `torch.ones`, ...) is made a
 `TwoTensor(t, t * 2 + 1)` (torch.testing._internal.two_tensor), so the roots, their clones and the
 views the program takes of them are subclasses whose two components differ; the program then runs
-through the subclass stage (subclass_wrap.py). Outcomes are classified as in fuzz_check.py.
+through the subclass stage (subclass/wrap.py). Outcomes are classified as in testing/fuzz/check.py.
 """
 
 from __future__ import annotations
