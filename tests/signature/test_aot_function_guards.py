@@ -390,10 +390,10 @@ def test_unknown_config_name_raises():
 
 
 def test_every_config_option_documented():
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "configuration.md").read_text()
     for name in aotgrad.config._NAMES:
-        assert f"`{name}`" in readme or f"config.{name}" in readme, name
-    assert "AOTGRAD_PRINT_RUNTIME" in readme
+        assert f"`{name}`" in page or f"config.{name}" in page, name
+    assert "AOTGRAD_PRINT_RUNTIME" in page
 
 
 def test_print_runtime_writes_the_generated_code_to_stderr():
@@ -406,7 +406,7 @@ def test_print_runtime_writes_the_generated_code_to_stderr():
 
 
 def test_backend_honours_torch_activation_memory_budget():
-    from aotgrad.backend import AotgradBackend
+    from aotgrad.backend.dynamo import AotgradBackend
 
     b = aotgrad.backend(fw_compiler=nop)
     assert isinstance(b, AotgradBackend)
@@ -416,15 +416,17 @@ def test_backend_honours_torch_activation_memory_budget():
     assert part.keywords["memory_budget"] == 0.5
 
 
-# 8. README code blocks ----------------------------------------------------------------------------
+# 8. Code blocks of the README and docs/ -------------------------------------------------------------
 
 
-def _readme_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def _doc_blocks() -> list[tuple[str, str]]:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [(f"{p.relative_to(ROOT)} block {i}", block) for p in pages
+            for i, block in enumerate(re.findall(r"```python\n(.*?)```", p.read_text(), re.S))]
 
 
-@pytest.mark.parametrize("i", range(len(_readme_blocks())))
-def test_readme_python_blocks_run(i, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,block", _doc_blocks(), ids=[name for name, _ in _doc_blocks()])
+def test_documented_python_blocks_run(name, block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks may write files (report.save_html)
     torch._dynamo.reset()
-    exec(compile(_readme_blocks()[i], f"README.md block {i}", "exec"), {"__name__": "readme"})
+    exec(compile(block, name, "exec"), {"__name__": "readme"})
