@@ -14,7 +14,7 @@ install: $(VENV)/.installed browser
 # Headless Chromium for the explain page's browser test (tests/test_explain_browser.py; under
 # CI=true the test fails without it). Installing needs root; elsewhere a warning, and the test skips.
 browser:
-	@command -v chromium-headless-shell >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium-headless-shell) \
+	@command -v chromium-headless-shell >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium-headless-shell fonts-liberation) \
 		|| echo "warning: could not install chromium-headless-shell (not root?); the browser test will skip"
 
 # torch==2.13.0 first: it is the CPU build on these machines; the package's own range then

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import statistics
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -495,8 +497,26 @@ def _cache_for(cold: bool):
     return fresh_cache()
 
 
+class _DropNotices(logging.Filter):
+    """torch's notices about choices this script makes on purpose (its cold runs turn the caches off,
+    so Dynamo's PGO says so per variant; transformers' record_function calls are ignored in graphs):
+    nothing a user of the demo can act on."""
+
+    NOTICES = ("Profiler record function",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOTICES)
+
+
+def _quiet_torch_notices() -> None:
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled by")  # a warnings.warn
+    logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_DropNotices())
+
+
 def main_with(args, title: str, make_model: Callable[[], nn.Module], logits_of: Callable) -> int:
     import aotgrad  # noqa: F401  (not needed for backend="aotgrad"; keeps the version printable)
+
+    _quiet_torch_notices()
 
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
