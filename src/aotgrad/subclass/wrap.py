@@ -313,8 +313,9 @@ class Boundary:
         grad = torch.is_grad_enabled()
         for i, x in enumerate(leaves):
             lay = self.layouts[i]
-            if i in self.spread:
-                out.extend(_Spread.apply(self.spread[i], x))
+            if i in self.spread:  # the stand-ins after the first only carry gradients: their own memory
+                first, *rest = _Spread.apply(self.spread[i], x)  # here, so a write into the argument is
+                out.extend([first, *(r.clone() for r in rest)])  # not taken for inputs overlapping
             elif lay is None:
                 out.append(x)
             elif self.first[i] != i:  # the same subclass again: the same plain tensors
