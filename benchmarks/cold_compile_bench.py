@@ -8,7 +8,7 @@ job meets it: imports, an untimed warm-up compile (one-time process costs), then
 
 Two stack modes, each its own table. `as-called`: the compile is called as a training script
 calls it; this is what users get. `roomy`: the whole timed compile, for both backends, runs on a
-roomy interpreter stack (`aotgrad.interpreter_stack.on_roomy_stack`), which compares the two
+roomy interpreter stack (`aotgrad.trace.interpreter_stack.on_roomy_stack`), which compares the two
 pipelines without CPython's stack-chunk effect: CPython 3.11+ maps and unmaps a 16 KiB chunk of
 its frame stack whenever a hot call returns across a chunk boundary, and where the boundaries fall
 depends on how deep the caller's stack is. aotgrad runs its own compile work on a roomy stack in

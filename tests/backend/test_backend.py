@@ -854,7 +854,7 @@ def test_a_script_that_ends_while_the_overlap_check_builds_exits_cleanly():
     code = textwrap.dedent(
         """
         import time, torch
-        from aotgrad import input_checks
+        from aotgrad.runtime import input_checks
 
         def busy_build(n):
             until = time.monotonic() + 2

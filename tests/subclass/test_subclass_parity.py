@@ -5,8 +5,10 @@ gradients' types and values), over three calls where the compiled function is re
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import _clone, assert_same, run_both, two
+from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
 
@@ -44,3 +46,51 @@ def test_reused_over_three_calls_with_new_values():
         expected.sum().backward()
         assert_same(x.grad, xe.grad, "x.grad")
         assert_same(t.grad, te.grad, "t.grad")
+
+
+def _write_under_no_grad(x, t):
+    with torch.no_grad():
+        t.add_(1)
+    return x * t
+
+
+def _write_through_detach(x, t):
+    t.detach().mul_(2)
+    return x * t + t
+
+
+def _write_into_a_view_under_no_grad(x, t):
+    v = t[1:]
+    with torch.no_grad():
+        v.add_(1)
+    return x * t
+
+
+def _make(leaf: bool, view: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    base = TwoTensor(torch.randn(4, generator=g), torch.randn(4, generator=g)).requires_grad_()
+    t = base if leaf else base * 1
+    if view:
+        t = t[:3]
+    return base, torch.randn(3 if view else 4, generator=g, requires_grad=True), t
+
+
+@pytest.mark.parametrize("fn", [_write_under_no_grad, _write_through_detach, _write_into_a_view_under_no_grad])
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "nonleaf"])
+@pytest.mark.parametrize("view", [False, True], ids=["whole", "view"])
+def test_writes_autograd_does_not_see_into_a_subclass_requiring_grad(fn, leaf, view):
+    """Eager changes the data and keeps the history (an optimizer-style update of a leaf, a view of
+    one): so does aotgrad now, over three calls, with the base's gradient as eager's."""
+    compiled = aotgrad.aot_function(fn, aotgrad.nop)
+    for seed in range(3):
+        base_e, x_e, t_e = _make(leaf, view, seed)
+        base_o, x_o, t_o = _make(leaf, view, seed)
+        expected, out = fn(x_e, t_e), compiled(x_o, t_o)
+        assert_same(out, expected, "output")
+        assert_same(t_o, t_e, "input after the call")
+        assert_same(base_o, base_e, "its base after the call")
+        assert t_o._version == t_e._version
+        expected.sum().backward()
+        out.sum().backward()
+        assert_same(x_o.grad, x_e.grad, "x.grad")
+        assert_same(base_o.grad, base_e.grad, "the subclass leaf's grad")

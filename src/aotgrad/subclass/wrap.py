@@ -505,11 +505,12 @@ class Boundary:
         return sorted(mutated | self.bumped)
 
     def refuse_grad_mutations(self, leaves: Sequence[Any], mutated: list[int], plan=None) -> None:
-        """Writes into a subclass argument requiring grad (or given history by one): a leaf requiring
-        grad is refused, as eager refuses a write in grad mode (writes under no_grad or through
-        .detach() too: not supported). A non-leaf written in grad mode has its history rebased by the
-        run time (subclass_runtime._Rebase), where nothing else aliases it: not a view, not passed
-        twice or sharing memory with another argument, not viewed by an output (returned itself is fine)."""
+        """Writes into a subclass argument requiring grad (or given history by one). A write autograd
+        does not see (under no_grad, through .detach()) changes data only, as in eager: it reaches the
+        caller's inner tensors, the history stays. A write in grad mode: into a leaf requiring grad
+        it is refused, as eager refuses it; a non-leaf has its history rebased by the run time
+        (subclass_runtime._Rebase), where nothing else aliases it: not a view, not passed twice or
+        sharing memory with another argument, not viewed by an output (returned itself is fine)."""
         if not torch.is_grad_enabled():  # a call under no_grad (an optimizer step): data writes only
             return
         aliased = {o.leaf for o in self.outputs if isinstance(o, ViewOfLeafOut)}
@@ -523,22 +524,24 @@ class Boundary:
         storages = [_storages(x) for x in leaves]
         for i in mutated:
             x = leaves[i]
-            if x.requires_grad and x.is_leaf:
-                raise InplaceOnLeafError(
-                    f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
-                    "program modifies it in place; eager refuses that in grad mode, and aotgrad does not "
-                    "support it under no_grad or through .detach() either. Mutate a clone."
-                )
             if i not in self.rebased and not x.requires_grad:
                 continue
             shared = any(storages[i] & storages[j] for j in range(len(leaves)) if j != i)
-            if (x._is_view() or i in aliased or shared or (x.requires_grad and i not in self.rebased)
-                    or i in self.unclear_history):
+            if i not in self.rebased and not shared:  # data only: history unchanged, as in eager
+                continue
+            if x.requires_grad and x.is_leaf:
+                raise InplaceOnLeafError(
+                    f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
+                    "program modifies it in place in grad mode, which eager refuses. Modify it under "
+                    "torch.no_grad(), or mutate a clone."
+                )
+            if x._is_view() or i in aliased or shared or i in self.unclear_history:
                 raise UnsupportedMutationError(
                     f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad (or is given it) "
                     "and the program modifies it in place while it is a view, shares memory with another "
-                    "input, is viewed by an output, or is written under no_grad; aotgrad rebases "
-                    "a subclass's history only without those. Clone it first."
+                    "input, or is viewed by an output; aotgrad rebases a subclass's history only without "
+                    "those, and writes data into one only where it shares memory with no other input. "
+                    "Clone it first."
                 )
 
     def runner(self, run_plain: Callable, mutated: list[int], examples: Sequence[Any] = (),
