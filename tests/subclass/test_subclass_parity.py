@@ -94,3 +94,44 @@ def test_writes_autograd_does_not_see_into_a_subclass_requiring_grad(fn, leaf, v
         out.sum().backward()
         assert_same(x_o.grad, x_e.grad, "x.grad")
         assert_same(base_o.grad, base_e.grad, "the subclass leaf's grad")
+
+
+def _branch_on_requires_grad(x):
+    return x * 2 if x.requires_grad else x * 3
+
+
+def test_a_subclass_argument_requires_grad_under_no_grad_as_the_callers():
+    """Under no_grad the trace rebuilt the argument from its inner tensors without requires_grad, so
+    a program asking `x.requires_grad` took the other branch (a silent mismatch)."""
+    compiled = aotgrad.aot_function(_branch_on_requires_grad, aotgrad.nop)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = two(3)
+        with torch.no_grad():
+            assert_same(compiled(x), _branch_on_requires_grad(x), "output")
+
+
+@pytest.mark.parametrize("backend", ["aotgrad_eager", "aotgrad"])
+def test_compiled_autograd_accumulates_a_subclass_parameters_gradient(backend):
+    """Compiled autograd hands the backend AccumulateGrad on a TwoTensor parameter (issue 39 item 9):
+    its gradient was lost (`.grad` None) because the trace's rebuilt parameter did not require grad."""
+    from torch._dynamo import compiled_autograd
+
+    def f(x, w):
+        return (x * w).sin()
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = TwoTensor(torch.randn(4, generator=g), torch.randn(4, generator=g)).requires_grad_()
+        return x, torch.randn(4, generator=g, requires_grad=True)
+
+    for seed in range(3):  # a fresh Dynamo each time: a second backward into an existing TwoTensor .grad
+        torch._dynamo.reset()  # fails inside Dynamo for every backend in torch 2.13 (eager too)
+        x, w = make(seed)
+        x_e, w_e = make(seed)
+        with compiled_autograd._enable(torch.compile(backend=backend)):
+            torch.compile(f, backend=backend)(x, w).sum().backward()
+        f(x_e, w_e).sum().backward()
+        assert_same(x.grad, x_e.grad, "x.grad")
+        assert_same(w.grad, w_e.grad, "w.grad")
+    torch._dynamo.reset()

@@ -352,6 +352,8 @@ class Boundary:
                     t = _Wrap.apply(self.sites[i], *inner)
                 else:
                     t = rebuild(lay, inner)
+                    if self.requires_grad[i] and not t.requires_grad:  # under no_grad: as the caller's
+                        t.requires_grad_()  # (compiled autograd's AccumulateGrad, `if x.requires_grad:`)
                 rebuilt[id(t)] = i
                 inner_of[i] = subclass_metadata.plain_tensors(t, lay)  # to tell they stay the same objects
                 leaves.append(t)
