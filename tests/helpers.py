@@ -223,3 +223,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def import_test_module(folder: str, name: str):
+    """Another folder's test module (tests/<folder>/<name>.py), imported as pytest imports it (by
+    its bare name, with its folder on sys.path), so both share one module object."""
+    import importlib
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), folder)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from helpers import _clone, assert_same, nested, run_both, two
+from helpers import _clone, assert_same, import_test_module, nested, run_both, two
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import return_and_correct_aliasing
@@ -446,7 +446,7 @@ REFUSED: list[str] = []
 
 @pytest.mark.parametrize("name", CORE_MUTATION_AND_ALIAS_TESTS)
 def test_core_mutation_and_alias_tests_with_two_tensor_inputs(name, monkeypatch):
-    import test_core
+    test_core = import_test_module("trace", "test_core")
 
     from aotgrad.testing import check_against_eager
 
