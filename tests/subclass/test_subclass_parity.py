@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import _clone, assert_same, run_both, two
+from helpers import BwMutatesBuffer, _clone, assert_same, run_both, two
 from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
+from aotgrad.errors import UnsupportedMutationError
 
 
 def _mutate_plain_under_no_grad(x, t):
@@ -135,3 +136,56 @@ def test_compiled_autograd_accumulates_a_subclass_parameters_gradient(backend):
         assert_same(x.grad, x_e.grad, "x.grad")
         assert_same(w.grad, w_e.grad, "w.grad")
     torch._dynamo.reset()
+
+
+def _backward_writes_buffer(x, buf):
+    return BwMutatesBuffer.apply(x, buf)
+
+
+def _both_passes_write_buffer(x, buf):
+    buf.add_(1)
+    return BwMutatesBuffer.apply(x, buf)
+
+
+@pytest.mark.parametrize("fn", [_backward_writes_buffer, _both_passes_write_buffer])
+@pytest.mark.parametrize("plain_x", [True, False], ids=["plain_x", "two_x"])
+def test_a_subclass_buffer_written_in_the_backward(fn, plain_x):
+    """A custom Function's backward updating a TwoTensor buffer (Float8-style scaling state), alone
+    or after a forward write: the caller's buffer after the forward and after the backward, its
+    version, and the gradients as eager's, over three calls."""
+    compiled = aotgrad.aot_function(fn, aotgrad.nop)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(3, requires_grad=True) if plain_x else two(3)
+        buf = two(3, requires_grad=False)
+        x_e, buf_e = _clone(x), _clone(buf)
+        out, expected = compiled(x, buf), fn(x_e, buf_e)
+        assert_same(out, expected, "output")
+        assert_same(buf, buf_e, "buffer after the forward")
+        assert buf._version == buf_e._version
+        out.sum().backward()
+        expected.sum().backward()
+        assert_same(buf, buf_e, "buffer after the backward")
+        assert buf._version == buf_e._version
+        assert_same(x.grad, x_e.grad, "x.grad")
+
+
+class _BwMutatesItsInputRequiringGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        w.add_(1)
+        return g * w, g * 0
+
+
+def test_a_backward_write_into_a_subclass_requiring_grad_is_refused_by_name():
+    def f(x, w):
+        return _BwMutatesItsInputRequiringGrad.apply(x, w)
+
+    with pytest.raises(UnsupportedMutationError, match="backward writes into subclass input 1"):
+        aotgrad.aot_function(f, aotgrad.nop)(two(3), two(3))

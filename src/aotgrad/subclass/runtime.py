@@ -96,6 +96,9 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
             plain += _attr_paths(layout, f"l{i}")
     subclass_metadata.emit_prologue(src, boundary.relayouts)
     src.emit(f"r = {src.bind('plain', run_plain)}([{', '.join(plain)}])")
+    if boundary.written_in_backward:
+        written = "".join(f"l{i}, " for i in sorted(boundary.written_in_backward))
+        src.emit(f"{src.bind('bump_in_backward', bump_in_backward)}(r, ({written}))")
     if boundary.early_views:  # views of an argument taken before its metadata changed
         subclass_metadata.emit_early_views(src, boundary, lambda k: _emit_view(src, boundary.outputs[k], k, replay))
     subclass_metadata.emit_epilogue(src, boundary.relayouts, boundary.detached)
@@ -135,6 +138,24 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
             src.emit(f"o{k} = o{o.entry}")
     src.emit(f"return {_structure(src, boundary.out_spec, [f'o{k}' for k in range(boundary.num_user)])}")
     return src.build("run", "def run(leaves):")
+
+
+def bump_in_backward(outs, written: tuple) -> None:
+    """Bump the versions of subclass arguments the backward writes, when the plain backward runs.
+
+    The plain backward writes their inner tensors (a buffer a custom Function's backward updates);
+    eager's write goes through the subclass, so its own version moves then too. A hook on the plain
+    Function's node (reached from the outputs it made, through views the run time rebuilt) does it."""
+    seen, todo = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while todo:
+        node = todo.pop(0)
+        if node is None or node in seen or len(seen) > 16:
+            continue
+        seen.add(node)
+        if node.name() == "CompiledFunctionBackward":
+            node.register_hook(lambda grad_inputs, grad_outputs: torch.autograd.graph.increment_version(written))
+            return
+        todo += [n for n, _ in node.next_functions]
 
 
 def _emit_view(src: _Source, o, k: int, replay: Callable) -> None:

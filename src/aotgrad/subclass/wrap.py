@@ -281,6 +281,7 @@ class Boundary:
     bumps: dict = field(default_factory=dict)  # subclass argument -> version bumps by the program
     unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
     relayouts: dict = field(default_factory=dict)  # argument -> its metadata after the call (subclass_metadata)
+    written_in_backward: set = field(default_factory=set)  # arguments (not requiring grad) the backward writes
     early_views: set = field(default_factory=set)  # outputs viewing an argument as it was before that
     detached: set = field(default_factory=set)  # arguments the program detach_()es
     num_user: int = 0
@@ -490,12 +491,20 @@ class Boundary:
                     f"({self.layouts[i].describe()}), which does not; aotgrad does not give a subclass input "
                     "autograd history. Return the value instead."
                 )
-            if not isinstance(src, FromLeaf) or m.storage or m.in_backward:  # metadata: subclass_metadata
+            if m.in_backward and leaves_requiring_grad[i]:
+                raise UnsupportedMutationError(
+                    f"aotgrad: the backward writes into subclass input {i} ({self.layouts[i].describe()}), "
+                    "which requires grad; aotgrad writes a subclass input in the backward only where it "
+                    "does not (a buffer). Return the new value instead."
+                )
+            if m.in_backward:  # the plain backward writes the caller's inner tensors; the version: run time
+                self.written_in_backward.add(i)
+            if not isinstance(src, FromLeaf) or m.storage:  # metadata: subclass_metadata
                 raise UnsupportedMutationError(
                     f"aotgrad: the program changes the metadata or storage of subclass input {i} "
-                    f"({self.layouts[i].describe()}) in place (or writes it in the backward, or it shares "
-                    "memory with another input); aotgrad cannot express that on the subclass's inner "
-                    "tensors. Return the new value instead."
+                    f"({self.layouts[i].describe()}) in place (or it shares memory with another input); "
+                    "aotgrad cannot express that on the subclass's inner tensors. Return the new value "
+                    "instead."
                 )
             if m.metadata and i not in self.relayouts:  # restrided back where it was: versions only
                 self.relayouts[i] = subclass_metadata.versions_only(i, self.layouts[i])
