@@ -282,6 +282,7 @@ class Boundary:
     unclear_history: set = field(default_factory=set)  # rebased, but not one data write per node
     relayouts: dict = field(default_factory=dict)  # argument -> its metadata after the call (subclass_metadata)
     written_in_backward: set = field(default_factory=set)  # arguments (not requiring grad) the backward writes
+    restore_requires_grad: bool = True  # under no_grad, rebuild arguments requiring grad requiring it
     early_views: set = field(default_factory=set)  # outputs viewing an argument as it was before that
     detached: set = field(default_factory=set)  # arguments the program detach_()es
     num_user: int = 0
@@ -327,6 +328,11 @@ class Boundary:
                 flatten(x, lay, out)
         return out
 
+    def restores_requires_grad(self) -> bool:
+        """Whether the trace (under no_grad) rebuilds a subclass argument requiring grad as requiring it."""
+        return not torch.is_grad_enabled() and any(
+            rg and lay is not None for rg, lay in zip(self.requires_grad, self.layouts))
+
     def num_plain(self, num_leaves: int) -> int:
         return self.ranges[num_leaves - 1][1] if num_leaves else 0
 
@@ -353,8 +359,8 @@ class Boundary:
                     t = _Wrap.apply(self.sites[i], *inner)
                 else:
                     t = rebuild(lay, inner)
-                    if self.requires_grad[i] and not t.requires_grad:  # under no_grad: as the caller's
-                        t.requires_grad_()  # (compiled autograd's AccumulateGrad, `if x.requires_grad:`)
+                    if self.restore_requires_grad and self.requires_grad[i] and not t.requires_grad:
+                        t.requires_grad_()  # under no_grad, as the caller's (AccumulateGrad, `if x.requires_grad`)
                 rebuilt[id(t)] = i
                 inner_of[i] = subclass_metadata.plain_tensors(t, lay)  # to tell they stay the same objects
                 leaves.append(t)
@@ -719,8 +725,10 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
     boundary's prologue/epilogue around its run time."""
     nested_jagged.refuse_static(leaves)
     spread: dict[int, SubclassLayout] = {}
+    restore_requires_grad = True
     while True:
         boundary = Boundary.of(leaves, spec, spread)
+        boundary.restore_requires_grad = restore_requires_grad
         plain_leaves = boundary.plain_leaves(leaves)
         plain_spec = pytree.tree_flatten((tuple(plain_leaves), {}))[1]
         plain_config = replace(config, num_params_buffers=boundary.num_plain(config.num_params_buffers))
@@ -733,6 +741,13 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
             if e.leaf in spread:
                 raise
             spread[e.leaf] = e.layout
+        except AotgradError:
+            # Under no_grad, arguments requiring grad are rebuilt requiring grad (as the caller's);
+            # autograd's view checks then refuse some traces eager runs (a no_grad view of an
+            # argument whose metadata the program changes): such a program is traced as before.
+            if not (restore_requires_grad and boundary.restores_requires_grad()):
+                raise
+            restore_requires_grad = False
     mutated = boundary.check_mutations(run_plain.plan)
     subclass_metadata.refuse_detached(boundary, leaves)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
