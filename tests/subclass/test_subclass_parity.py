@@ -189,3 +189,16 @@ def test_a_backward_write_into_a_subclass_requiring_grad_is_refused_by_name():
 
     with pytest.raises(UnsupportedMutationError, match="backward writes into subclass input 1"):
         aotgrad.aot_function(f, aotgrad.nop)(two(3), two(3))
+
+
+def test_metadata_mutation_under_no_grad_of_an_argument_requiring_grad_with_no_grad_views_out():
+    """Fuzz seed 4, program 124, TwoTensor inputs: `squeeze_`/`t_` under no_grad of a leaf requiring
+    grad, then no_grad views of it returned. Letting no_grad data writes through must not let this
+    through too: the run time's version bump lands after the views, which eager's reading of their
+    grad_fn then refuses (a crash). It stays refused, naming the input."""
+    from aotgrad.testing import fuzz
+    from aotgrad.testing.fuzz import subclass as fuzz_subclass
+
+    outcome = fuzz_subclass.check_program(fuzz.generate(4, 124))
+    assert outcome.kind == "refused", outcome
+    assert "InplaceOnLeafError" in str(outcome) and "input 1" in str(outcome), outcome

@@ -544,8 +544,8 @@ class Boundary:
             if i not in self.rebased and not x.requires_grad:
                 continue
             shared = any(storages[i] & storages[j] for j in range(len(leaves)) if j != i)
-            if i not in self.rebased and not shared:  # data only: history unchanged, as in eager
-                continue
+            if i not in self.rebased and not shared and i not in self.relayouts and i not in self.detached:
+                continue  # data only (no metadata change): history unchanged, as in eager
             if x.requires_grad and x.is_leaf:
                 raise InplaceOnLeafError(
                     f"aotgrad: input {i} ({self.layouts[i].describe()}) is a leaf that requires grad and the "
