@@ -124,6 +124,25 @@ def free_symbols(x) -> set:
     return set()
 
 
+def is_symbolic_number(x) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def hints(leaves: Sequence[Any]) -> list:
+    """The leaves with each symbolic number that has a hint replaced by it. Why: Dynamo hands a
+    backend its SymInt/SymFloat graph inputs as SymInts beside real tensors (the fallback of
+    `aot_module_simplified` when its fakes cannot serve); compiled from real tensors, the entry is
+    keyed on the number's value, as the ints Dynamo passes per call are, so another value compiles
+    again rather than reusing a graph traced for this one. A nested int (a jagged size) or an unbacked
+    symbol has no value to stand for it and stays (`guards.constant_key` keys or refuses it)."""
+    out = []
+    for x in leaves:
+        if is_symbolic_number(x) and not x.node.is_nested_int() and x.node.has_hint():
+            x = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)](x.node.hint)
+        out.append(x)
+    return out
+
+
 def _tensor_symbols(leaves: Sequence[Any]) -> set:
     known: set = set()
     for x in leaves:
@@ -153,12 +172,15 @@ def needs_concrete_sizes(plan) -> bool:
 # -- fakes with symbolic sizes -----------------------------------------------------------------------
 
 
-def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0) -> list | None:
+def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0, *, export: bool = False) -> list | None:
     """Fakes of the caller's tensors in a new ShapeEnv, every size of leaf `num_static` on symbolic
     (duck-sized, 0/1 specialized: upstream's `dynamic=True`); leaves before it (parameters and
     buffers) keep static sizes, non-tensors stay as they are (they are in the signature). None when
     symbolic sizes cannot serve these leaves: tensors sharing memory (layouts and synthetic bases
-    are decided on exact sizes), subclasses, non-strided layouts."""
+    are decided on exact sizes), subclasses, non-strided layouts. `export`: a 0-d integer or float64
+    input's `.item()` is an unbacked symbol, as upstream's export records it, not one backed by the
+    example's value: the guards that value would answer are not part of an exported graph, which
+    would then hold the example's branch silently."""
     from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -167,7 +189,7 @@ def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0) -> list | None:
     if not tensors or alias_key(with_inner_tensors(leaves)) or any(
             (is_wrapper(x) and not subclass_symbolic.symbolic_ok(x)) or x.layout is not torch.strided for x in tensors):
         return None
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, export=export)
     out = []
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
@@ -208,7 +230,7 @@ def export_leaves(leaves: list, num_static: int, dynamic: bool | None) -> list:
     if fakes is not None:
         return fakes
     if dynamic:
-        return symbolic_fakes(leaves, num_static) or leaves  # inputs sharing memory are refused later
+        return symbolic_fakes(leaves, num_static, export=True) or leaves  # inputs sharing memory: refused later
     return leaves
 
 

@@ -91,7 +91,7 @@ class _Source:
             return repr(value)
         if isinstance(value, (list, tuple)):
             if not symbols_in(value):  # bound once, not rebuilt per call
-                return self.bind("a", value)
+                return self.bind("a", _plain_numbers(value))
             items = [self.literal(v) for v in value]
             if isinstance(value, tuple):
                 return "(" + "".join(f"{v}, " for v in items) + ")"
@@ -119,6 +119,21 @@ class _Source:
         fn = scope[name]
         fn.__aotgrad_source__ = src
         return fn
+
+
+def _plain_numbers(value: list | tuple) -> list | tuple:
+    """A size or stride list whose symbolic entries the trace specialised (a SymInt whose expression
+    is a constant) as plain numbers: bound as they are, `as_strided_` or a view would leave the
+    caller's tensor with symbolic sizes, which every later numel() on it refuses."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return _plain_numbers(v)
+        return _PLAIN_OF[type(v)](v.node.expr) if type(v) in _PLAIN_OF else v
+
+    return type(value)(plain(v) for v in value)
+
+
+_PLAIN_OF = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
 def _tuple_src(names: list[str]) -> str:
@@ -538,7 +553,7 @@ def _emit_graph_call(src: _Source, plan: Plan, line: str) -> None:
     if plan.autocast:
         src.globals["_no_autocast"] = ambient.no_autocast
         contexts.append("_no_autocast()")
-    if plan.prologue and not plan.is_training:
+    if (plan.prologue and not plan.is_training) or plan.inference_under_grad:
         contexts.append("_no_grad()")
     if contexts:
         src.emit(f"with {', '.join(contexts)}:")
@@ -619,6 +634,8 @@ def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
         set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
         meta = src.bind("multi_output", torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE)
         src.emit(f"{set_meta}({target}, {meta})")
+    if chain.requires_grad:
+        src.emit(f"{target}.requires_grad_(True)")
 
 
 def _step_expr(src: _Source, step) -> Callable[[str], str]:

@@ -234,8 +234,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     flat_out, out_spec = pytree.tree_flatten(out)
     subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage
     if hooks.requires_grad_called:
-        _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
-    if not training and any(isinstance(o, torch.Tensor) and o.requires_grad for o in flat_out):
+        _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged=bool(layout.leaf_views))
+    if not training and _outputs_need_autograd(flat_out, [*funs, *bases, *user_leaves]):
         raise NeedsTraining  # outputs of an enable_grad() region, or marked with requires_grad_()
 
     fw = _Forward(out_spec=out_spec)
@@ -293,10 +293,36 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     return list(fw.fw_values) + list(grads)
 
 
-def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves) -> None:
+def _outputs_need_autograd(flat_out, inputs: list) -> bool:
+    """Does some output of a trace without autograd require grad through a history only a training
+    graph gives it? Not an input returned as is, nor a view of an input without a grad_fn: one taken
+    under no_grad of an input requiring grad (eager gives it requires_grad=True), or one the program
+    marked with requires_grad_() (`ViewChain.requires_grad`); the run time rebuilds both from the
+    caller's tensor the same way. So the user's inference_compiler gets those programs."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    known = {id(t) for t in tensors} | {id(t._base) for t in tensors if t._base is not None}
+    for o in flat_out:
+        if not isinstance(o, torch.Tensor) or not o.requires_grad or id(o) in known:
+            continue
+        if o.grad_fn is None and o._base is not None and id(o._base) in known:
+            continue
+        return True
+    return False
+
+
+def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged: bool = False) -> None:
     """requires_grad_() on an input that is a view or shares memory with another input: autograd
-    then ties the gradient state of the tensors sharing that memory together; refused."""
+    then ties the gradient state of the tensors sharing that memory together; refused. So is any
+    requires_grad_() where inputs sharing memory were merged into one base (`merged`): traced as
+    views of that base, a view the program marks loses the mark (an output view came back without
+    requires_grad)."""
     shared = {i for g in shared_storage_groups(leaves) for i in g}
+    if merged:
+        raise UnsupportedMutationError(
+            f"aotgrad: the program calls requires_grad_() while inputs {sorted(shared)} share memory and one "
+            "of them is written; aotgrad traces them as views of one base, where the mark is lost. Call "
+            "requires_grad_() before the call, or pass separate tensors (.clone())."
+        )
     for i, (x, u) in enumerate(zip(leaves, user_leaves)):
         if isinstance(x, torch.Tensor) and not x.requires_grad and u.requires_grad and (x._is_view() or i in shared):
             raise UnsupportedMutationError(
