@@ -1,6 +1,6 @@
 """Differential fuzzing of aotgrad against eager: `python scripts/fuzz.py --n N --seed SEED`.
 
-Generates N random programs (see `aotgrad.fuzz`), checks each with `check_against_eager`, shrinks
+Generates N random programs (see `aotgrad.testing.fuzz`), checks each with `check_against_eager`, shrinks
 every crash / mismatch and writes a standalone reproducer to fuzz-repros/, then prints a summary:
 matched / refused (grouped by message) / crashed (grouped by exception) / mismatched.
 Exits 1 if anything crashed or mismatched.
@@ -9,10 +9,11 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --seed 0 --only 258      # re-check (and shrink) one program
     python scripts/fuzz.py --seed 0 --show 258      # print one generated program
     python scripts/fuzz.py --n 500 --backend aotgrad_eager --reference aot_eager   # through torch.compile
-    python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.fuzz_order2)
-    python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.fuzz_subclass)
+    python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.testing.fuzz.order2)
+    python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.testing.fuzz.subclass)
     python scripts/fuzz.py --n 1000 --order 2 --subclass   # both
     python scripts/fuzz.py --n 2000 --dynamic       # aot_function(dynamic=True), inputs read back per call
+    python scripts/fuzz.py --n 500 --closures     # every program reads closed-over state (aotgrad.testing.fuzz.closures)
 """
 
 from __future__ import annotations
@@ -50,10 +51,16 @@ def main(argv=None) -> int:
     ap.add_argument("--order", type=int, choices=(1, 2), default=1,
                     help="2: also differentiate each program's gradients (create_graph=True) and compare those")
     ap.add_argument("--subclass", action="store_true",
-                    help="make every floating input a TwoTensor (the subclass stage, aotgrad.fuzz_subclass)")
+                    help="make every floating input a TwoTensor (the subclass stage, aotgrad.testing.fuzz.subclass)")
     ap.add_argument("--dynamic", action="store_true",
                     help="compile with aot_function(dynamic=True) (symbolic sizes; every input read back per call)")
+    ap.add_argument("--closures", action="store_true",
+                    help="every program reads closed-over state (aotgrad.testing.fuzz.closures), not 15%% of them")
     args = ap.parse_args(argv)
+    if args.closures:
+        from aotgrad.testing.fuzz import closures as fuzz_closures
+
+        fuzz_closures.PROBABILITY = 1.0
     check_program = fuzz.check_program
     if args.subclass:
         from aotgrad.testing.fuzz import subclass as fuzz_subclass

@@ -1,4 +1,4 @@
-"""The differential fuzzer (aotgrad.fuzz): its own machinery, and fuzzing runs against eager."""
+"""The differential fuzzer (aotgrad.testing.fuzz): its own machinery, and fuzzing runs against eager."""
 
 from __future__ import annotations
 

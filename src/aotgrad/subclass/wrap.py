@@ -76,15 +76,18 @@ class _Site:
     name: str
     grad_layout: SubclassLayout | None = None  # argument: the gradient's layout the trace saw arrive
     tracing: bool = True
+    plain_shapes: list | None = None  # argument: its inner tensors' shapes in the trace
 
     def flatten_grad(self, grad: torch.Tensor) -> list[torch.Tensor]:
         """`_Wrap.backward`: the incoming subclass gradient as plain tensors."""
         got = layout_of(grad)
         if self.tracing:  # an argument's gradient, as the traced backward computes it
-            if got is not None and not same_structure(got, self.layout):
+            if got is not None and not same_structure(got, self.layout) and not self._fits(grad, got):
                 # in the argument's own metadata where the subclass can coerce it (a DTensor
                 # parameter's gradient in the parameter's placements: its local shards then have
-                # the shapes of the argument's inner tensors)
+                # the shapes of the argument's inner tensors). Where eager's gradient already
+                # fits (a Partial(sum) gradient of a Replicate argument), it stays eager's: a
+                # coercion would be a collective in the backward the caller did not ask for.
                 grad, got = self._coerce(grad, got, refuse=False)
             if got is None or got.num_plain != self.layout.num_plain:
                 raise UnsupportedInputError(
@@ -98,6 +101,20 @@ class _Site:
         out: list = []
         flatten(grad, got, out)
         return out
+
+    def _fits(self, grad: torch.Tensor, got: SubclassLayout) -> bool:
+        """Whether eager's gradient is kept as it is: a DTensor gradient that is Partial where the
+        argument is Replicate (else the same placements), its local tensor of the argument's shape."""
+        placements = getattr(grad, "placements", None)
+        ctx = self.layout.ctx
+        mine = ctx[0] if isinstance(ctx, tuple) and ctx and isinstance(ctx[0], tuple) else None
+        if placements is None or mine is None or len(mine) != len(placements) or self.plain_shapes is None:
+            return False
+        if not all(p == q or (p.is_partial() and q.is_replicate()) for p, q in zip(placements, mine)):
+            return False
+        out: list = []
+        flatten(grad, got, out)
+        return got.num_plain == self.layout.num_plain and [tuple(t.shape) for t in out] == self.plain_shapes
 
     def _coerce(self, grad: torch.Tensor, got: SubclassLayout | None, refuse: bool = True) -> tuple:
         """An incoming gradient of other metadata than the guess: coerced by the subclass itself where
@@ -134,7 +151,8 @@ class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
         ctx.site = site
-        if site.tracing:  # its detaches tagged for a differentiable backward (subclass/higher.py)
+        if site.tracing:
+            site.plain_shapes = [tuple(p.shape) for p in plains]  # its detaches tagged for a differentiable backward (subclass/higher.py)
             return subclass_higher.crossing(_Wrap._forward, site, plains)
         # inner tensors without grad kept as they are: a NestedTensor output then shares its
         # argument's offsets, hence its nested int, as in eager
@@ -301,6 +319,8 @@ class Boundary:
             n = 1 if lay is None else lay.num_plain
             if i in spread_sites and first[i] == i:
                 n = spread_sites[i].layout.num_plain
+            elif first.get(i, i) != i:  # the same tensor again: as wide as its first occurrence
+                n = ranges[first[i]][1] - ranges[first[i]][0]
             layouts.append(lay)
             ranges.append((pos, pos + n))
             pos += n
@@ -315,13 +335,13 @@ class Boundary:
         grad = torch.is_grad_enabled()
         for i, x in enumerate(leaves):
             lay = self.layouts[i]
-            if i in self.spread:  # the stand-ins after the first only carry gradients: their own memory
+            if self.first.get(i, i) != i:  # the same tensor again: the same plain tensors
+                out.extend(out[slice(*self.ranges[self.first[i]])])
+            elif i in self.spread:  # the stand-ins after the first only carry gradients: their own memory
                 first, *rest = _Spread.apply(self.spread[i], x)  # here, so a write into the argument is
                 out.extend([first, *(r.clone() for r in rest)])  # not taken for inputs overlapping
             elif lay is None:
                 out.append(x)
-            elif self.first[i] != i:  # the same subclass again: the same plain tensors
-                out.extend(out[slice(*self.ranges[self.first[i]])])
             elif grad and x.requires_grad:
                 out.extend(_Unwrap.apply(self.sites[i], x))
             else:
@@ -343,6 +363,9 @@ class Boundary:
             leaves, rebuilt, inner_of = [], {}, {}
             for i, lay in enumerate(self.layouts):
                 start, stop = self.ranges[i]
+                if self.first.get(i, i) != i:  # the same tensor again (a spread one included)
+                    leaves.append(leaves[self.first[i]])
+                    continue
                 if i in self.spread:
                     leaves.append(_Gather.apply(self.spread[i], *plain[start:stop]))
                     continue
@@ -350,9 +373,6 @@ class Boundary:
                     leaves.append(plain[start])
                     if isinstance(plain[start], torch.Tensor) and plain[start].requires_grad:
                         plain[start].register_hook(_needs_spread(i))
-                    continue
-                if self.first[i] != i:
-                    leaves.append(leaves[self.first[i]])
                     continue
                 inner = plain[start:stop]
                 if torch.is_grad_enabled() and any(p.requires_grad for p in inner):

@@ -17,13 +17,13 @@ from its rendered source, so a failing program can be written out verbatim as a 
 reproducer after being shrunk (statements, returned values and arguments dropped one at a time while
 eager still runs and the failure stays the same).
 
-    from aotgrad import fuzz
+    from aotgrad.testing import fuzz
     summary = fuzz.run(200, seed=0)           # or: python scripts/fuzz.py --n 200 --seed 0
     print(summary.report())
 
 Modules: programs and their generator in testing/fuzz/programs.py, the runner in testing/fuzz/check.py, the shrinker
 in testing/fuzz/shrink.py, the summary and reproducers in testing/fuzz/report.py; this one drives a run and keeps the
-public names importable from `aotgrad.fuzz`.
+public names importable from `aotgrad.testing.fuzz`.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def write_reproducer(fail: Failure, seed: int, out_dir: str, backend: str | None
     path = os.path.join(out_dir, f"{kind}_{seed}_{fail.index}.py")
     header = (
         f"aotgrad fuzz reproducer: {fail.outcome.kind}, seed {seed}, program {fail.index}"
-        f" ({'shrunk' if fail.shrunk else 'not shrunk'}; regenerate with aotgrad.fuzz.generate({seed}, {fail.index}))\n"
+        f" ({'shrunk' if fail.shrunk else 'not shrunk'}; regenerate with aotgrad.testing.fuzz.generate({seed}, {fail.index}))\n"
         f"key: {fail.outcome.key}\n"
         + "\n".join(out.message.splitlines()[:12])
         + "".join(f"\nat {w}" for w in _where(out.detail))
