@@ -37,6 +37,7 @@ from .signature.subclass_layout import NeedsSubclassBoundary
 from .subclass import wrap as subclass_wrap
 from .trace.capture import capture
 from .trace.interpreter_stack import on_roomy_stack
+from .trace.refusal_source import numpy_error, with_user_line
 from .trace.state import NeedsSyntheticBase, NeedsTraining
 
 log = logging.getLogger("aotgrad.api")
@@ -253,12 +254,18 @@ class CompiledFunction:
                 if run is None:
                     run = compile_signature(fn, leaves, spec, self.config)
             except DATA_DEPENDENT as e:
-                raise _data_dependent_error(e) from e
+                raise with_user_line(_data_dependent_error(e), e) from e
             except lifting.NeedsLifting:
                 raise
             except AotgradError as e:
                 lifting.rename_inputs(e, lifting.names_of(self.lifted, self._slots))
+                with_user_line(e)
                 raise
+            except RuntimeError as e:
+                refusal = numpy_error(e)
+                if refusal is None:
+                    raise
+                raise with_user_line(refusal, e) from e
             finally:
                 rebound = lifting.restore_rebound(before, self.fn)
         if rebound:
