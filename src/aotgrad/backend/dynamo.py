@@ -61,6 +61,7 @@ from torch.utils import _pytree as pytree
 
 from .. import config
 from ..api import AOTConfig, _functional_call, _named_state, _plan_depends_on_aliasing, compile_signature
+from ..cache import artifacts as cache_artifacts  # noqa: F401 (registers itself with torch's cache artifacts)
 from ..cache import store as cache
 from ..compile.compilers import nop, wants_functional_graphs
 from ..dynamic.shapes import caller_fakes as _fake_inputs
@@ -83,6 +84,7 @@ from ..partition.default import default_partition
 from ..runtime.input_checks import InputsChecked
 from ..signature.inputs import alias_key, is_wrapper
 from ..trace.interpreter_stack import on_roomy_stack
+from . import precompile
 from .distributed import on_rank
 from .shapes import _anchor_positions, _Anchored, _fake_anchors, _ignoring_anchors, _PerShape
 
@@ -173,6 +175,8 @@ class AotgradBackend:
     # -- Dynamo entry point --------------------------------------------------------------------
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
+        if precompile.requested():  # aot_compile: a SerializableCallable (precompile.py)
+            return precompile.compile_graph(self, gm, list(example_inputs), **kwargs)
         chosen = self._with_compile_options(example_inputs, **kwargs)
         if config.explain_dir:  # one report per graph (explain/graphs.py); never fails the compile
             explain_graph(gm, example_inputs, chosen, config.explain_dir)
@@ -282,7 +286,8 @@ class AotgradBackend:
                 "aotgrad backend: Dynamo passed nested (tuple/dict, or list of lists) graph inputs; only "
                 "flat tensor, SymInt and scalar inputs, and lists of them, are supported."
             )
-        probe = cache.probe(self, gm, example_inputs, _named_state(gm)[1])  # before passes change gm
+        # before passes change gm; while precompiling, the entry is kept for the saved file
+        probe = precompile.probe(self) or cache.probe(self, gm, example_inputs, _named_state(gm)[1])
         fakes = _fake_inputs(gm, example_inputs)
         if self.use_inductor and config.inductor_graph_passes:
             gm = _inductor_pre_grad_passes(gm, fakes)

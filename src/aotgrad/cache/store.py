@@ -38,6 +38,9 @@ from .serialize import Recorder, dumps, loads, make_entry, on_compiled, with_bac
 log = logging.getLogger("aotgrad.cache")
 
 _MAGIC = b"AOTGRAD-CACHE\n"
+# Called with (key, file bytes) for each entry written or read: cache_artifacts.py records them in
+# torch's portable cache artifacts.
+entry_hooks: list[Callable[[str, bytes], None]] = []
 _STATS = {"hits": 0, "misses": 0, "uncacheable": 0, "stores": 0, "updates": 0, "corrupt": 0}
 
 
@@ -225,6 +228,8 @@ def _load(key: str):
         _STATS["misses"] += 1
         _warn_once(path, f"aotgrad cache: ignoring entry {path}: {e}; compiling again")
         return None
+    for hook in entry_hooks:  # a job that loaded it passes it on (save_cache_artifacts)
+        hook(key, data)
     return entry
 
 
@@ -242,11 +247,22 @@ def _decode(data: bytes):
 
 
 def _store(key: str, entry, counter: str = "stores") -> None:
-    path = _path(key)
-    if not _dirs_safe(path, create=True):
-        return
     payload = dumps(entry)
     data = _MAGIC + _header() + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    if not write_entry(key, data):
+        return
+    for hook in entry_hooks:
+        hook(key, data)
+    _STATS[counter] += 1
+    log.info("aotgrad cache: %s %s (%d bytes)", "stored" if counter == "stores" else "updated", key[:16], len(data))
+
+
+def write_entry(key: str, data: bytes) -> bool:
+    """Write an entry file atomically (a temporary name, then `os.replace`); False when the
+    folder is not safe to use. Also how torch's cache artifacts are loaded (cache_artifacts.py)."""
+    path = _path(key)
+    if not _dirs_safe(path, create=True):
+        return False
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".bin")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -258,8 +274,7 @@ def _store(key: str, entry, counter: str = "stores") -> None:
         except OSError:
             pass
         raise
-    _STATS[counter] += 1
-    log.info("aotgrad cache: %s %s (%d bytes)", "stored" if counter == "stores" else "updated", key[:16], len(data))
+    return True
 
 
 _warned: set[str] = set()
