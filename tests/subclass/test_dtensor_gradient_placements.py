@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from test_subclass_dtensor import TIMEOUT, _free_port
+from helpers import _free_port
+from test_subclass_dtensor import TIMEOUT
 
 from aotgrad import aot_function, aot_module, nop
 

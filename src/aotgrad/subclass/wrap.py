@@ -317,7 +317,7 @@ class Boundary:
             if isinstance(x, torch.Tensor):
                 first[i] = seen.setdefault(id(x), i)
             n = 1 if lay is None else lay.num_plain
-            if i in spread_sites and first[i] == i:
+            if i in spread_sites:  # a repeated argument too: each is spread on its own, as the prologue does
                 n = spread_sites[i].layout.num_plain
             elif first.get(i, i) != i:  # the same tensor again: as wide as its first occurrence
                 n = ranges[first[i]][1] - ranges[first[i]][0]
