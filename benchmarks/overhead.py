@@ -1,9 +1,9 @@
 """Per-call run-time overhead over eager with tiny inputs (nop compiler).
 
-`f = lambda x: x.sin()` on a 1-element tensor, three cases:
+`f = lambda x: x.sin()` on a 1-element tensor (and a program of three view outputs), these cases:
     fwd        x.requires_grad=True, time f(x)
     fwd+bwd    x.requires_grad=True, time f(x).backward()
-    inference  x.requires_grad=False, time f(x)
+    inference  x.requires_grad=False, time f(x); also for a program returning three views of x
     TwoTensor  x a TwoTensor (torch.testing._internal.two_tensor) requiring grad, time f(x): the
                subclass stage's prologue/epilogue (flatten, rebuild) against upstream's
 Each case gets its own compiled object per implementation (upstream caches its first compiled
@@ -28,6 +28,11 @@ def sin(x: torch.Tensor) -> torch.Tensor:
     return x.sin()
 
 
+def views(x: torch.Tensor) -> tuple:
+    """Three outputs that are views of the input: each rebuilt by the run time as eager's view."""
+    return x.view(-1), x[:1], x.unsqueeze(0)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -39,12 +44,14 @@ class Case:
     # case: eager dispatches each op through the subclass's Python code and is slower than both
     # compiled runs, so there is no overhead over eager to compare).
     ratio_kind: str = "overhead"
+    fn: Callable = sin  # the program
 
 
 CASES = [
     Case("fwd (requires_grad)", True, "f(x)"),
     Case("fwd+bwd", True, "f(x).backward()"),
     Case("inference (no grad)", False, "f(x)"),
+    Case("inference, three view outputs", False, "f(x)", fn=views),
     Case("fwd (one TwoTensor input, requires_grad)", True, "f(x)", two_tensor=True, ratio_kind="time"),
 ]
 
@@ -87,21 +94,25 @@ def _check(case: Case, f: Callable) -> str | None:
     torch.manual_seed(0)
     base = torch.randn(1)
     xr, xg = _input(case, base.clone()), _input(case, base.clone())
-    ref, got = sin(xr), f(xg)
+    ref, got = case.fn(xr), f(xg)
+    if isinstance(ref, tuple) and isinstance(got, list):  # upstream returns several outputs as a list
+        got = tuple(got)
     if type(ref) is not type(got):
         return f"output type {type(got).__name__}, eager's {type(ref).__name__}"
     if case.requires_grad:
         ref.sum().backward()
         got.sum().backward()
         return compare((_components(ref), _components(xr.grad)), (_components(got), _components(xg.grad)))
-    return compare(ref, got) or (None if got.requires_grad == ref.requires_grad else "requires_grad differs")
+    flat_ref, flat_got = (ref, got) if isinstance(ref, tuple) else ((ref,), (got,))
+    same_grad = all(a.requires_grad == b.requires_grad for a, b in zip(flat_ref, flat_got))
+    return compare(ref, got) or (None if same_grad else "requires_grad differs")
 
 
 def bench_case(impls: tuple[Impl, ...], case: Case, number: int, repeats: int) -> CaseResult:
     result = CaseResult(case.name, case.ratio_kind)
     timers: dict[str, timeit.Timer] = {}
-    candidates: list[tuple[str, Callable]] = [("eager", sin)]
-    candidates += [(impl.name, impl.aot_function(sin, impl.nop)) for impl in impls]
+    candidates: list[tuple[str, Callable]] = [("eager", case.fn)]
+    candidates += [(impl.name, impl.aot_function(case.fn, impl.nop)) for impl in impls]
     for name, f in candidates:
         x = _input(case, torch.randn(1))
         try:
