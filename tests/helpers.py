@@ -287,3 +287,23 @@ def assert_fuzz_gate(summary, mode: str, budgets: dict[str, int], total: int | N
         f"  {c} > {b}  {r}" for r, (c, b) in sorted(over.items()))
     if total is not None:
         assert refused <= total, line
+
+
+def assert_same_results(a, b, exact: bool, where: str = "") -> None:
+    """Results of two runs (dicts, lists, tensors, plain values) equal, bitwise where `exact`."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_results(a[k], b[k], exact, f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same_results(x, y, exact, f"{where}[{k}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        if exact:
+            assert torch.equal(a, b), where
+        else:
+            torch.testing.assert_close(a, b, msg=lambda m: f"{where}: {m}")
+    else:
+        assert a == b, where

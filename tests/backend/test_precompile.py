@@ -22,6 +22,9 @@ import torch
 
 import aotgrad
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, run as a script
+from helpers import assert_same_results  # noqa: E402
+
 HERE = os.path.abspath(__file__)
 
 
@@ -174,21 +177,6 @@ def _run(mode: str, backend: str, folder, cache_dir) -> dict:
     return torch.load(os.path.join(folder, f"{mode}.pt"), weights_only=False)
 
 
-def _assert_same(a, b, exact: bool, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], exact, f"{where}.{k}")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        if exact:
-            assert torch.equal(a, b), where
-        else:
-            torch.testing.assert_close(a, b, msg=lambda m: f"{where}: {m}")
-    else:
-        assert a == b, where
-
-
 # ----------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------
@@ -201,8 +189,8 @@ def test_saved_in_one_process_loaded_in_another(tmp_path, backend):
     and to eager; the load traces nothing and compiles nothing with Inductor."""
     saved = _run("save", backend, tmp_path, tmp_path / "cache-save")
     loaded = _run("load", backend, tmp_path, tmp_path / "cache-load")
-    _assert_same(saved["compiled"], saved["eager"], exact=False, where="cold vs eager")
-    _assert_same(loaded["compiled"], saved["compiled"], exact=True, where="loaded vs cold")
+    assert_same_results(saved["compiled"], saved["eager"], exact=False, where="cold vs eager")
+    assert_same_results(loaded["compiled"], saved["compiled"], exact=True, where="loaded vs cold")
     assert loaded["compiled"]["view_is_alias"]
     assert saved["captures"] > 0
     # Up to the double backward (which traces its differentiable backward, cold or loaded): no aotgrad
@@ -221,7 +209,7 @@ def test_mega_cache_round_trip_gives_aotgrad_hits(tmp_path, backend):
     assert saved["stats"]["hits"] == 0 and saved["stats"]["stores"] >= 2
     assert loaded["stats"]["hits"] >= 2 and loaded["stats"]["misses"] == 0, loaded["stats"]
     for k in ("out", "grads", "buffers", "loss", "a_grad", "b"):
-        _assert_same(loaded[k], saved[k], exact=True, where=k)
+        assert_same_results(loaded[k], saved[k], exact=True, where=k)
 
 
 def _saved_file(tmp_path) -> tuple[str, bytes]:

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from helpers import assert_same_results
 
 import aotgrad
 from aotgrad.cache import store as cache
@@ -42,25 +43,6 @@ def _run_job(backend, cache_dir, out, *extra) -> dict:
     return _finish(_job(backend, cache_dir, out, *extra), out)
 
 
-def _assert_same(a, b, exact: bool, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], exact, f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for k, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, exact, f"{where}[{k}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        if exact:
-            assert torch.equal(a, b), where
-        else:
-            torch.testing.assert_close(a, b, msg=lambda m: f"{where}: {m}")
-    else:
-        assert a == b, where
-
-
 def _entries(cache_dir) -> list[str]:
     root = os.path.join(str(cache_dir), "aotgrad")
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
@@ -77,9 +59,9 @@ def _check_cross_process(backend: str, tmp_path, *extra) -> dict:
     assert warm["stats"]["hits"] == stored and warm["stats"]["misses"] == 0, warm["stats"]
     assert warm["captures"] == 0  # no trace, no partitioning: everything came from the cache
     for run in (cold, warm):
-        _assert_same(run["compiled"], run["eager"], exact=False)
+        assert_same_results(run["compiled"], run["eager"], exact=False)
         assert run["compiled"]["view_is_alias"]
-    _assert_same(warm["compiled"], cold["compiled"], exact=True)
+    assert_same_results(warm["compiled"], cold["compiled"], exact=True)
     return warm
 
 
@@ -109,8 +91,8 @@ def _check_forces_cross_process(backend: str, tmp_path) -> None:
     if backend == "aotgrad":
         assert cold["calls"]["graphs_unpickled"] == 0 and warm["calls"]["graphs_unpickled"] == 2, warm["calls"]
     for run in (cold, warm):
-        _assert_same(run["compiled"], run["eager"], exact=False)
-    _assert_same(warm["compiled"], cold["compiled"], exact=True)
+        assert_same_results(run["compiled"], run["eager"], exact=False)
+    assert_same_results(warm["compiled"], cold["compiled"], exact=True)
 
 
 def test_create_graph_after_a_hit_in_a_new_process(tmp_path):
@@ -129,7 +111,7 @@ def test_two_processes_writing_the_same_entries(tmp_path, cached):
     runs = [_finish(p, tmp_path / f"w{i}.pt") for i, p in enumerate(jobs)]
     for r in runs:
         assert r["stats"]["stores"] + r["stats"]["hits"] == 3 and r["stats"]["corrupt"] == 0, r["stats"]
-        _assert_same(r["compiled"], r["eager"], exact=False)
+        assert_same_results(r["compiled"], r["eager"], exact=False)
     files = _entries(tmp_path / "c")
     assert len(files) == 3 and not [f for f in files if os.path.basename(f).startswith(".tmp")]
     cached(tmp_path / "c")
@@ -449,8 +431,8 @@ def test_create_graph_and_none_gradients_after_a_hit(tmp_path, cached, monkeypat
         assert specialised and specialised[0] is not None  # the zero-tangent backward, hit or not
     eager = _second_order(_two_outputs, [], (3, 4), (3, 4))
     eager.pop("loads")
-    _assert_same(results[0], eager, exact=False)
-    _assert_same(results[1], results[0], exact=True)
+    assert_same_results(results[0], eager, exact=False)
+    assert_same_results(results[1], results[0], exact=True)
 
 
 def test_entry_without_pristine_graphs_refuses_create_graph(tmp_path, cached, monkeypatch):
