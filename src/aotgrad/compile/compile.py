@@ -34,6 +34,10 @@ from .compilers import boxed, naming, takes_functional_graphs
 from .inplace_graphs import keep_inplace_ops
 from .reinplace import reinplace
 
+# Meta key on a backward graph made from the compiled one (specialised for zero tangents, re-traced
+# under autocast): that graph, whose inputs (the saved values) it takes as they are. A compiler that
+# lays out the saved values (Inductor: their strides) lays this one out the same way.
+SAME_INPUTS_AS = "aotgrad_same_inputs_as"
 
 @dataclass
 class CompiledForward:
@@ -99,6 +103,7 @@ class CompiledForward:
         gm = source and zero_tangents.specialise(source, {offset + j for j, none in enumerate(nones) if none})
         if gm is None:
             return self.backward(args)
+        gm.meta[SAME_INPUTS_AS] = self.bw_module
         if not takes_functional_graphs(self.bw_compiler):
             reinplace(gm)
         if self.keep_inplace:
@@ -113,6 +118,7 @@ class CompiledForward:
         compiled = self._autocast_backwards.get(key)
         if compiled is None:
             gm = ambient.retrace_under_autocast(self.bw_module, key[0], args)
+            gm.meta[SAME_INPUTS_AS] = self.bw_module
             if not takes_functional_graphs(self.bw_compiler):
                 reinplace(gm)
             if self.keep_inplace:

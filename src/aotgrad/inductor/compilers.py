@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from .. import config
-from ..compile.compile import placeholder_values
+from ..compile.compile import SAME_INPUTS_AS, placeholder_values
 from .context import BackendCompileError, _compile_context, _graph_ids
 
 
@@ -129,7 +129,7 @@ class _InductorCompilers:
         return self._compile(gm, visible=None, is_inference=True, is_backward=False)
 
     def backward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        fw = _FORWARD_OF.get(gm)
+        fw = _FORWARD_OF.get(gm) or _FORWARD_OF.get(gm.meta.get(SAME_INPUTS_AS))
         if fw is not None:
             _restride_saved(gm, fw)
         return self._compile(gm, visible=None, is_inference=False, is_backward=True)
