@@ -132,9 +132,11 @@ def _capture(fn, layout, leaves, training, config, groups):
 class CompiledFunction:
     """What `aot_function` returns: a cache from input signature to generated run-time code.
 
-    Tensors the function reaches without being passed them and that require grad are lifted
-    (lifting.py): found during a trace, they become leading arguments of every later call, so their
-    current values are read and their gradients computed. Past `config.recompile_limit` signatures
+    Tensors the function reaches without being passed them are lifted (lifting.py): found during a
+    trace, they become leading arguments of every later call, so their current values are read,
+    their mutations applied once and their gradients computed. One generated check per call
+    (`_state_ok`) sees a rebound tensor or a closed-over module's changed state (flags, hooks,
+    parameters); compiled entries are kept per module state (`_buckets`). Past `config.recompile_limit` signatures
     it warns once, naming what keeps changing; past `config.recompile_hard_limit` new signatures run
     eagerly."""
 
@@ -143,16 +145,22 @@ class CompiledFunction:
         self.config = config
         self.cache: dict[tuple, Callable] = {}
         self.fast: list[tuple[Callable, Callable]] = []  # (guard, run) for flat positional calls
-        self.lifted: tuple[torch.Tensor, ...] = ()  # closed-over tensors requiring grad, passed first
+        self.lifted: tuple[torch.Tensor, ...] = ()  # closed-over tensors, passed first
+        self._slots: list = []  # where each lifted tensor is read from (lifting.Place or None)
+        self._reach: lifting.Reach | None = None  # what fn reaches, found on its first compile
+        self._modules: list[nn.Module] = []  # closed-over modules guarded here
+        self._module_key: tuple = ()
+        self._buckets: dict[tuple, tuple] = {}  # other module states' (cache, fast, symbolic)
+        self._state_ok: Callable[[], bool] | None = None  # the one per-call check of closed-over state
         self.recompiles: list[str] = []  # why each signature after the first was compiled
         self.symbolic: list[tuple] = []  # (spec, guard, run) per entry serving many shapes (dynamic_shapes.py)
         self._warned: set[str] = set()
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
+        if self._state_ok is not None and not self._state_ok():
+            self._state_changed()  # a rebound tensor, a module's mode, hooks or parameters
         if self.lifted:
-            if not self._lifted_in_place():  # a closure or global rebound to another tensor
-                self._relift()
             args = (*self.lifted, *args)
         if not kwargs:
             for guard, run in self.fast:
@@ -163,6 +171,8 @@ class CompiledFunction:
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these arguments now, without running anything: a refusal (an AotgradError)
         surfaces here, and the first call with the same signature finds the compiled entry."""
+        if self._state_ok is not None and not self._state_ok():
+            self._state_changed()
         args = (*self.lifted, *args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         try:
@@ -176,14 +186,16 @@ class CompiledFunction:
                 return
             self._compile(leaves, spec, key, args, kwargs)
         except lifting.NeedsLifting as found:
+            before = len(self.lifted)
             self._lift(found.tensors)
-            self.prepare(*args[len(self.lifted) - len(found.tensors):], **kwargs)
+            self.prepare(*args[before:], **kwargs)
 
     def _call_slow(self, args: tuple, kwargs: dict):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if inputs_stage.being_traced(leaves):
-            # Called inside another trace (an outer aot_function): the outer graph records our ops.
-            return self.fn(*args, **kwargs)
+            # Called inside another trace (an outer aot_function): the outer graph records our ops
+            # (and lifts our closed-over tensors itself).
+            return self.fn(*args[len(self.lifted):], **kwargs)
         key = inputs_stage.signature(leaves, spec)
         run = self.cache.get(key)
         if run is None and self.symbolic:
@@ -194,13 +206,16 @@ class CompiledFunction:
             try:
                 run = self._compile(leaves, spec, key, args, kwargs)
             except lifting.NeedsLifting as found:
+                before = len(self.lifted)
                 self._lift(found.tensors)
-                return self(*args[len(self.lifted) - len(found.tensors):], **kwargs)
+                return self(*args[before:], **kwargs)
         return run(leaves)
 
     def _compile(self, leaves: list, spec, key: tuple, args: tuple, kwargs: dict) -> Callable:
         previous = next(reversed(self.cache), None)
+        self._find_reach()
         fn = lifting.with_lifted(self.fn, self.lifted)
+        before = lifting.snapshot(self._reach)
         with observe.graph_logging(self.config.enable_log):
             try:
                 run = None
@@ -211,6 +226,15 @@ class CompiledFunction:
                     run = compile_signature(fn, leaves, spec, self.config)
             except DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
+            except lifting.NeedsLifting:
+                raise
+            except AotgradError as e:
+                lifting.rename_inputs(e, lifting.names_of(self.lifted, self._slots))
+                raise
+            finally:
+                rebound = lifting.restore_rebound(before, self.fn)
+        if rebound:
+            raise lifting.rebound_error(rebound)
         if previous is not None:
             self._note_recompile(previous, key, args, kwargs)
         self.cache[key] = run
@@ -237,27 +261,57 @@ class CompiledFunction:
             self.fast.insert(0, (run.symbolic_guard, run))
         return run
 
+    def _find_reach(self) -> None:
+        """What fn reaches (lifting.find_places), once: the modules it closes over are guarded here
+        unless the caller guards them (aot_module marks its own module)."""
+        if self._reach is not None:
+            return
+        self._reach = lifting.find_places(self.fn)
+        guarded = getattr(self.fn, "__aotgrad_guarded__", ())
+        self._modules = [m for _, m in self._reach.modules if not any(m is g for g in guarded)]
+        self._module_key = lifting.module_key(self._modules)
+        self._rebuild_state_guard()
+
+    def _rebuild_state_guard(self) -> None:
+        self._slots = lifting.slots_of(self.lifted, self._reach)
+        self._state_ok = lifting.make_state_guard(self.lifted, self._slots, self._modules)
+
     def _lift(self, tensors: list[torch.Tensor]) -> None:
-        log.debug("aotgrad: lifting closed-over tensors that require grad to inputs of %s: %s",
+        self._find_reach()
+        guarded = getattr(self.fn, "__aotgrad_guarded__", ())
+        known = {id(t) for t in self.lifted}
+        tensors = [t for t in lifting.expand(tensors, self._reach, guarded) if id(t) not in known]
+        log.debug("aotgrad: lifting closed-over tensors to inputs of %s: %s",
                   getattr(self.fn, "__qualname__", self.fn), lifting.describe(tensors))
         self.lifted = (*self.lifted, *tensors)
-        self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
-        self.cache.clear()  # earlier entries take fewer leading arguments
-        self.fast.clear()
-        self.symbolic.clear()
+        self._clear_entries()  # earlier entries take fewer leading arguments
+        self._rebuild_state_guard()
 
-    def _relift(self) -> None:
-        """Pass the tensors now found where the lifted ones were; when one is gone or no longer
-        requires grad, forget the lifting (the next trace finds what to lift again)."""
-        current = self._read_lifted()
-        if lifting.still_liftable(current):
-            self.lifted = tuple(current)  # same signature parts: compiled entries stay valid
-            self._lifted_in_place, self._read_lifted = lifting.make_source_guard(self.fn, self.lifted)
-        else:
+    def _clear_entries(self) -> None:
+        self.cache, self.fast, self.symbolic = {}, [], []
+        self._buckets.clear()
+
+    def _state_changed(self) -> None:
+        """Closed-over state changed since the last call: switch to the compiled entries of the
+        modules' new state (flags, hooks, names), and pass the tensors now found where the lifted
+        ones were read (by place name: a replaced submodule's parameter is found). When one is gone
+        or no longer a tensor, forget the lifting (the next trace finds what to lift again)."""
+        guarded = getattr(self.fn, "__aotgrad_guarded__", ())
+        self._reach = lifting.find_places(self.fn)
+        self._modules = [m for _, m in self._reach.modules if not any(m is g for g in guarded)]
+        key = lifting.module_key(self._modules)
+        if key != self._module_key:
+            observe.log_recompile(self.fn, "a closed-over module's training flag, hooks or state names changed")
+            self._buckets[self._module_key] = (self.cache, self.fast, self.symbolic)
+            self.cache, self.fast, self.symbolic = self._buckets.pop(key, ({}, [], []))
+            self._module_key = key
+        current = lifting.read_again(self.lifted, self._slots, self._reach)
+        if current is None:
             self.lifted = ()
-            self.cache.clear()
-            self.fast.clear()
-            self.symbolic.clear()
+            self._clear_entries()
+        else:
+            self.lifted = tuple(current)  # same signature parts: compiled entries stay valid
+        self._rebuild_state_guard()
 
     def _note_recompile(self, previous: tuple, key: tuple, args: tuple, kwargs: dict) -> None:
         names = guards.leaf_names(args, kwargs, len(self.lifted))
@@ -292,6 +346,8 @@ def _forget(ref: weakref.ref, key: tuple) -> None:
     compiled = ref()
     if compiled is None:
         return
+    for cache, _, _ in compiled._buckets.values():
+        cache.pop(key, None)
     run = compiled.cache.pop(key, None)
     compiled.fast = [(g, r) for g, r in compiled.fast if r is not run]
     compiled.symbolic = [e for e in compiled.symbolic if e[2] is not run]
@@ -361,6 +417,7 @@ def _functional_call(mod: nn.Module, names: list[str], num: int):
         state = dict(zip(names, flat_and_args[:num]))
         return torch.func.functional_call(mod, state, flat_and_args[num:], kwargs, tie_weights=False, strict=False)
 
+    call.__aotgrad_guarded__ = (mod,)  # ModuleState guards it (lifting.find_places still reads it)
     return call
 
 
