@@ -316,3 +316,21 @@ def test_closed_over_two_tensor_requiring_grad():
     for _ in range(3):
         check_against_eager(_two_tensor_global, make_inputs, compiled=compiled)
 
+
+
+def test_plain_argument_passed_twice_with_a_subclass_gradient():
+    """Program 1077's retrace: a plain argument passed twice whose gradient is a TwoTensor (spread
+    into one plain input per inner gradient) gets the same plain inputs at both places."""
+
+    def f(w, a, b):
+        return a * w + b * 2
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(2)
+        w = TwoTensor(torch.randn((), generator=g), torch.randn((), generator=g)).requires_grad_()
+        r = torch.randn(3, generator=g).requires_grad_()
+        return (w, r), (w, r, r)
+
+    compiled = aot_function(f, nop)
+    for _ in range(3):
+        check_against_eager(f, make_inputs, compiled=compiled)

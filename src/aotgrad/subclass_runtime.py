@@ -78,15 +78,15 @@ def build_run(boundary, run_plain: Callable, mutated: Sequence[int], fns: dict[s
     grad = torch.is_grad_enabled()
     plain: list[str] = []
     for i, layout in enumerate(boundary.layouts):
-        if i in boundary.spread:
+        if boundary.first.get(i, i) != i:  # the same tensor again: its first occurrence's plain tensors
+            plain += plain[slice(*boundary.ranges[boundary.first[i]])]
+        elif i in boundary.spread:
             site = boundary.spread[i]
             names = [f"q{len(plain) + k}" for k in range(site.layout.num_plain)]
             src.emit(f"({''.join(f'{q}, ' for q in names)}) = {src.bind('spread', spread)}({src.bind('site', site)}, l{i})")
             plain += names
         elif layout is None:
             plain.append(f"l{i}")
-        elif boundary.first[i] != i:
-            plain += plain[slice(*boundary.ranges[boundary.first[i]])]
         elif grad and boundary.requires_grad[i]:
             names = [f"q{len(plain) + k}" for k in range(layout.num_plain)]
             site = src.bind("site", boundary.sites[i])

@@ -288,6 +288,8 @@ class Boundary:
             n = 1 if lay is None else lay.num_plain
             if i in spread_sites and first[i] == i:
                 n = spread_sites[i].layout.num_plain
+            elif first.get(i, i) != i:  # the same tensor again: as wide as its first occurrence
+                n = ranges[first[i]][1] - ranges[first[i]][0]
             layouts.append(lay)
             ranges.append((pos, pos + n))
             pos += n
@@ -302,12 +304,12 @@ class Boundary:
         grad = torch.is_grad_enabled()
         for i, x in enumerate(leaves):
             lay = self.layouts[i]
-            if i in self.spread:
+            if self.first.get(i, i) != i:  # the same tensor again: the same plain tensors
+                out.extend(out[slice(*self.ranges[self.first[i]])])
+            elif i in self.spread:
                 out.extend(_Spread.apply(self.spread[i], x))
             elif lay is None:
                 out.append(x)
-            elif self.first[i] != i:  # the same subclass again: the same plain tensors
-                out.extend(out[slice(*self.ranges[self.first[i]])])
             elif grad and x.requires_grad:
                 out.extend(_Unwrap.apply(self.sites[i], x))
             else:
@@ -324,6 +326,9 @@ class Boundary:
             leaves, rebuilt, inner_of = [], {}, {}
             for i, lay in enumerate(self.layouts):
                 start, stop = self.ranges[i]
+                if self.first.get(i, i) != i:  # the same tensor again (a spread one included)
+                    leaves.append(leaves[self.first[i]])
+                    continue
                 if i in self.spread:
                     leaves.append(_Gather.apply(self.spread[i], *plain[start:stop]))
                     continue
@@ -331,9 +336,6 @@ class Boundary:
                     leaves.append(plain[start])
                     if isinstance(plain[start], torch.Tensor) and plain[start].requires_grad:
                         plain[start].register_hook(_needs_spread(i))
-                    continue
-                if self.first[i] != i:
-                    leaves.append(leaves[self.first[i]])
                     continue
                 inner = plain[start:stop]
                 if torch.is_grad_enabled() and any(p.requires_grad for p in inner):
