@@ -65,15 +65,18 @@ class _Site:
     name: str
     grad_layout: SubclassLayout | None = None  # argument: the gradient's layout the trace saw arrive
     tracing: bool = True
+    plain_shapes: list | None = None  # argument: its inner tensors' shapes in the trace
 
     def flatten_grad(self, grad: torch.Tensor) -> list[torch.Tensor]:
         """`_Wrap.backward`: the incoming subclass gradient as plain tensors."""
         got = layout_of(grad)
         if self.tracing:  # an argument's gradient, as the traced backward computes it
-            if got is not None and not same_structure(got, self.layout):
+            if got is not None and not same_structure(got, self.layout) and not self._fits(grad, got):
                 # in the argument's own metadata where the subclass can coerce it (a DTensor
                 # parameter's gradient in the parameter's placements: its local shards then have
-                # the shapes of the argument's inner tensors)
+                # the shapes of the argument's inner tensors). Where eager's gradient already
+                # fits (a Partial(sum) gradient of a Replicate argument), it stays eager's: a
+                # coercion would be a collective in the backward the caller did not ask for.
                 grad, got = self._coerce(grad, got, refuse=False)
             if got is None or got.num_plain != self.layout.num_plain:
                 raise UnsupportedInputError(
@@ -87,6 +90,20 @@ class _Site:
         out: list = []
         flatten(grad, got, out)
         return out
+
+    def _fits(self, grad: torch.Tensor, got: SubclassLayout) -> bool:
+        """Whether eager's gradient is kept as it is: a DTensor gradient that is Partial where the
+        argument is Replicate (else the same placements), its local tensor of the argument's shape."""
+        placements = getattr(grad, "placements", None)
+        ctx = self.layout.ctx
+        mine = ctx[0] if isinstance(ctx, tuple) and ctx and isinstance(ctx[0], tuple) else None
+        if placements is None or mine is None or len(mine) != len(placements) or self.plain_shapes is None:
+            return False
+        if not all(p == q or (p.is_partial() and q.is_replicate()) for p, q in zip(placements, mine)):
+            return False
+        out: list = []
+        flatten(grad, got, out)
+        return got.num_plain == self.layout.num_plain and [tuple(t.shape) for t in out] == self.plain_shapes
 
     def _coerce(self, grad: torch.Tensor, got: SubclassLayout | None, refuse: bool = True) -> tuple:
         """An incoming gradient of other metadata than the guess: coerced by the subclass itself where
@@ -123,7 +140,8 @@ class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: _Site, *plains):
         ctx.site = site
-        if site.tracing:  # its detaches tagged for a differentiable backward (subclass_higher.py)
+        if site.tracing:
+            site.plain_shapes = [tuple(p.shape) for p in plains]  # its detaches tagged for a differentiable backward (subclass_higher.py)
             return subclass_higher.crossing(_Wrap._forward, site, plains)
         # inner tensors without grad kept as they are: a NestedTensor output then shares its
         # argument's offsets, hence its nested int, as in eager
