@@ -12,6 +12,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.fuzz_order2)
     python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.fuzz_subclass)
     python scripts/fuzz.py --n 1000 --order 2 --subclass   # both
+    python scripts/fuzz.py --n 500 --closures     # every program reads closed-over state (aotgrad.fuzz_closures)
 """
 
 from __future__ import annotations
@@ -50,7 +51,13 @@ def main(argv=None) -> int:
                     help="2: also differentiate each program's gradients (create_graph=True) and compare those")
     ap.add_argument("--subclass", action="store_true",
                     help="make every floating input a TwoTensor (the subclass stage, aotgrad.fuzz_subclass)")
+    ap.add_argument("--closures", action="store_true",
+                    help="every program reads closed-over state (aotgrad.fuzz_closures), not 15%% of them")
     args = ap.parse_args(argv)
+    if args.closures:
+        from aotgrad import fuzz_closures
+
+        fuzz_closures.PROBABILITY = 1.0
     check_program = fuzz.check_program
     if args.subclass:
         from aotgrad import fuzz_subclass

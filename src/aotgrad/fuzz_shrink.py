@@ -81,7 +81,7 @@ def _clean(prog: Program) -> Program:
                 changed = True
         used |= {n for a in map(_assignment, setup) if a is not None for n in re.findall(r"\b[rc]\d+\b", a[1])}
     names = {a[0] for a in map(_assignment, setup) if a is not None}
-    roots = tuple(r for r in prog.roots if r in names)
+    roots = tuple(r for r in prog.roots if r.split(".")[0] in names)  # `M0.t`: an attribute of a kept name
     return dataclasses.replace(prog, setup=tuple(setup), roots=roots)
 
 
