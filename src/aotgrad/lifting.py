@@ -332,8 +332,7 @@ def make_state_guard(lifted: Sequence[torch.Tensor], slots: Sequence[Place | Non
             scope[f"_L{i}"], scope[f"_P{i}"] = t, s.obj
             terms.append(f"{s.expr(f'_P{i}')} is _L{i}")
     for j, mod in enumerate(modules):
-        scope[f"_M{j}"] = module_state.make_state_guard(mod, [])
-        terms.append(f"_M{j}()")
+        terms += module_state.guard_terms(mod, scope, f"_m{j}")
     if not terms:
         return None
     src = "def check():\n    try:\n        return " + " and ".join(terms) + "\n    except Exception:\n        return False\n"

@@ -48,12 +48,14 @@ def describe_change(old: tuple, new: tuple) -> str:
     return "the module's parameters or buffers were added, removed or renamed"
 
 
-def make_state_guard(mod: nn.Module, state: list) -> Callable[[], bool]:
-    """A check that is True while `mod`'s state is what it is now. Its loops are `map`s over
-    C functions (`attrgetter`, `dict.get`, `operator.is_`, `len`), no Python code per submodule:
-    on a 73-submodule MLP a generated `and` chain took 86 us a call, this takes a few."""
+def guard_terms(mod: nn.Module, scope: dict[str, Any], tag: str = "") -> list[str]:
+    """Conditions, over names this adds to `scope` (suffixed `tag`), that are True while `mod`'s
+    state is what it is now: the flags, the identity of each parameter, buffer and submodule, the
+    hook dictionaries' keys. Each is a `map` over C functions (`attrgetter`, `dict.get`,
+    `operator.is_`, `len`), no Python code per submodule: on a 73-submodule MLP a generated `and`
+    chain per submodule took 86 us a call, this takes a few. Callers put them in their one
+    generated check (lifting.make_state_guard inlines those of every closed-over module)."""
     mods = [m for _, m in mod.named_modules(remove_duplicate=False)]
-    flags = [m.training for m in mods]
     sized: list[dict] = []
     owners: list[dict] = []
     keys: list[str] = []
@@ -66,22 +68,27 @@ def make_state_guard(mod: nn.Module, state: list) -> Callable[[], bool]:
                 owners.append(d)
                 keys.append(k)
                 objs.append(x)
-    sizes = [len(d) for d in sized]
     hooks = [d for _, d in _hook_dicts(mod)]
-    hook_sizes = [len(d) for d in hooks]
-    filled = [(d, tuple(d)) for d in hooks if d]
-    training, get, is_ = operator.attrgetter("training"), dict.get, operator.is_
+    scope.update({"_training": operator.attrgetter("training"), "_get": dict.get, "_is": operator.is_})
+    names = {"mods": mods, "flags": [m.training for m in mods], "sized": sized, "sizes": [len(d) for d in sized],
+             "owners": owners, "keys": keys, "objs": objs, "hooks": hooks, "hook_sizes": [len(d) for d in hooks],
+             "filled": [(d, tuple(d)) for d in hooks if d]}
+    scope.update({f"_{k}{tag}": v for k, v in names.items()})
+    return [
+        f"list(map(_training, _mods{tag})) == _flags{tag}",
+        f"list(map(len, _sized{tag})) == _sizes{tag}",
+        f"all(map(_is, map(_get, _owners{tag}, _keys{tag}), _objs{tag}))",
+        f"list(map(len, _hooks{tag})) == _hook_sizes{tag}",
+        f"all(tuple(d) == k for d, k in _filled{tag})",
+    ]
 
-    def guard() -> bool:
-        return (
-            list(map(training, mods)) == flags
-            and list(map(len, sized)) == sizes
-            and all(map(is_, map(get, owners, keys), objs))
-            and list(map(len, hooks)) == hook_sizes
-            and all(tuple(d) == k for d, k in filled)
-        )
 
-    return guard
+def make_state_guard(mod: nn.Module, state: list) -> Callable[[], bool]:
+    """A check that is True while `mod`'s state is what it is now (`guard_terms`)."""
+    scope: dict[str, Any] = {}
+    src = "def guard():\n    return (\n        " + "\n        and ".join(guard_terms(mod, scope)) + "\n    )\n"
+    exec(compile(src, "<aotgrad module state guard>", "exec"), scope)
+    return scope["guard"]
 
 
 class ModuleState:
