@@ -334,3 +334,68 @@ def test_plain_argument_passed_twice_with_a_subclass_gradient():
     compiled = aot_function(f, nop)
     for _ in range(3):
         check_against_eager(f, make_inputs, compiled=compiled)
+
+
+G_BIAS = torch.zeros(3)
+
+
+class Outer(nn.Module):
+    """Reaches a module it does not register (a list) and a global tensor it updates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.side = [nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0), nn.BatchNorm1d(3))]
+
+    def forward(self, x):
+        G_BIAS.add_(0.5)
+        return self.side[0](self.lin(x)) + G_BIAS
+
+
+@pytest.mark.parametrize("path", ["aot_function", "aot_module"])
+def test_unregistered_submodule_and_global_through_a_module(path):
+    """The side module's mode and hooks, the global's in-place update and rebinding, a new
+    parameter object in the side module: all followed between the three calls."""
+    global G_BIAS
+    saved = G_BIAS
+
+    def build():
+        global G_BIAS
+        G_BIAS = torch.zeros(3)
+        torch.manual_seed(0)
+        st = SimpleNamespace(m=Outer())
+        return (st.m if path == "aot_module" else (lambda x: st.m(x))), st
+
+    def change(st, i):
+        global G_BIAS
+        side = st.m.side[0]
+        if i == 0:
+            side.eval()
+            side[0].register_forward_hook(lambda m, a, out: out * 3)
+        else:
+            side.train()
+            side[0].bias = nn.Parameter(torch.ones(3))
+            G_BIAS = torch.full((3,), 2.0)
+
+    try:
+        # the eager and compiled copies share the global: compare each call's output and update
+        eager_fn, est = build()
+        comp_fn, cst = build()
+        compiled = aot_module(comp_fn, nop) if path == "aot_module" else aot_function(comp_fn, nop)
+        for i in range(3):
+            torch.manual_seed(i)
+            x = torch.randn(4, 3)
+            before = G_BIAS.clone()
+            out_e = eager_fn(x)
+            G_BIAS.copy_(before)
+            out_c = compiled(x)
+            torch.testing.assert_close(out_c, out_e, msg=lambda m, i=i: f"call {i}: {m}")
+            torch.testing.assert_close(G_BIAS, before + 0.5)
+            for a, b in zip(_tensors(est).values(), _tensors(cst).values()):
+                torch.testing.assert_close(b, a)
+            side_e, side_c = est.m.side[0], cst.m.side[0]
+            torch.testing.assert_close(side_c[2].running_mean, side_e[2].running_mean)
+            change(est, i)
+            change(cst, i)
+    finally:
+        G_BIAS = saved
