@@ -324,11 +324,13 @@ def make_state_guard(lifted: Sequence[torch.Tensor], slots: Sequence[Place | Non
                      modules: Sequence[nn.Module]) -> Callable[[], bool] | None:
     """One generated check, True while every lifted tensor is still the object in its place and
     every closed-over module's state (module_state.make_state_guard) is unchanged; None when there
-    is nothing to check."""
+    is nothing to check. A parameter or buffer of a guarded module needs no check of its own: the
+    module's terms check every such slot's identity in one `map`."""
     scope: dict[str, Any] = {}
     terms = []
+    covered = {id(d) for mod in modules for sub in mod.modules() for d in (sub._parameters, sub._buffers)}
     for i, (t, s) in enumerate(zip(lifted, slots)):
-        if s is not None:
+        if s is not None and id(s.obj) not in covered:
             scope[f"_L{i}"], scope[f"_P{i}"] = t, s.obj
             terms.append(f"{s.expr(f'_P{i}')} is _L{i}")
     for j, mod in enumerate(modules):
