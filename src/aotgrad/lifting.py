@@ -257,10 +257,11 @@ class _Walker:
 
 def find_places(fn: Callable) -> Reach:
     """Where `fn` can reach a tensor from: its globals by name and closure cells, those of the
-    functions it reaches there, lists/tuples/dicts found there (one level), and the parameters,
+    functions it reaches there (`_MAX_DEPTH` deep, torch's own skipped), lists/tuples/dicts found
+    there (one level), attributes of plain objects (a trainer's `self`), and the parameters,
     buffers and tensor attributes of modules found there (and of the module a bound method
-    belongs to). A tensor reached otherwise (through an object's attribute) is still lifted, but
-    its rebinding is not followed."""
+    belongs to). A tensor reached otherwise (deeper, or returned by a call) is still lifted, its
+    value read and its mutations applied per call, but its rebinding is not followed."""
     walker = _Walker()
     if isinstance(fn, nn.Module):
         walker.module(fn, type(fn).__name__, 0)
