@@ -131,6 +131,12 @@ def _analyse_inputs(fw, layout, leaves, primals, funs, bases, before, shifts, tr
         real = layout.primal_sources[k]
         leaf_tensor = leaves[real.leaf] if hasattr(real, "leaf") else None
         if f.requires_grad and not p.requires_grad and f.is_leaf:
+            if (m.metadata or m.storage) and f.shape != p.shape:  # a gradient of the new shape, an input of the old
+                raise UnsupportedMutationError(
+                    f"aotgrad: the program changes the metadata of {name} in place (t_(), squeeze_(), set_()...) "
+                    "and calls requires_grad_() on it; the compiled function cannot give it a gradient of its "
+                    "new shape. Call requires_grad_() before the call, or apply the op out of place."
+                )
             if leaf_tensor is not None and leaf_tensor.is_leaf:
                 fw.prologue.append(SetRequiresGrad(k))
             else:
