@@ -12,6 +12,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --n 5000 --order 2       # second-order gradients (aotgrad.fuzz_order2)
     python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.fuzz_subclass)
     python scripts/fuzz.py --n 1000 --order 2 --subclass   # both
+    python scripts/fuzz.py --n 2000 --dynamic       # aot_function(dynamic=True), inputs read back per call
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
                     help="2: also differentiate each program's gradients (create_graph=True) and compare those")
     ap.add_argument("--subclass", action="store_true",
                     help="make every floating input a TwoTensor (the subclass stage, aotgrad.fuzz_subclass)")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="compile with aot_function(dynamic=True) (symbolic sizes; every input read back per call)")
     args = ap.parse_args(argv)
     check_program = fuzz.check_program
     if args.subclass:
@@ -69,10 +72,10 @@ def main(argv=None) -> int:
                                               wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
 
     if args.show is not None:
-        print(fuzz.generate(args.seed, args.show).reproducer())
+        print(_generate(args, args.show).reproducer())
         return 0
     if args.only is not None:
-        prog = fuzz.generate(args.seed, args.only)
+        prog = _generate(args, args.only)
         out = check_program(prog, backend=args.backend)
         print(f"{out.kind}: {out.message or out.key}")
         if out.kind in ("crashed", "mismatched"):
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
         progress=None if args.quiet else fuzz.Progress(args.n),
         backend=args.backend,
         check_fn=check_program,
+        dynamic=args.dynamic,
     )
     print(summary.report(top=args.top))
     own = len(summary.failures)
@@ -107,6 +111,11 @@ def main(argv=None) -> int:
         print(f"{len(shared)} of {len(summary.failures)} failures also fail under backend={args.reference!r}: {shared}")
     print(f"{time.time() - t0:.1f}s")
     return 1 if own else 0
+
+
+def _generate(args, index: int):
+    prog = fuzz.generate(args.seed, index)
+    return fuzz.with_dynamic(prog) if args.dynamic else prog
 
 
 if __name__ == "__main__":

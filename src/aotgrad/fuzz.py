@@ -28,6 +28,7 @@ public names importable from `aotgrad.fuzz`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 from collections.abc import Callable
@@ -54,6 +55,7 @@ __all__ = [
     "run",
     "shrink",
     "view_expr",
+    "with_dynamic",
     "write_reproducer",
 ]
 
@@ -69,18 +71,22 @@ def run(
     start: int = 0,
     backend: str | None = None,
     check_fn: Callable | None = None,
+    dynamic: bool = False,
 ) -> Summary:
     """Generate and check programs `start .. start+n-1` of run `seed` (through `torch.compile` with
     `backend`, if given).
 
     Crashes and mismatches are shrunk (at most `shrink_per_key` per distinct failure message; the
     others are written as generated) and written to `out_dir` (None: keep them in the summary only).
+    `dynamic`: compiled with `dynamic=True` (`with_dynamic`).
     """
     summary = Summary(seed)
     shrunk_keys: Counter = Counter()
     check = functools.partial(check_fn or check_program, backend=backend)  # check_fn: e.g. fuzz_order2's
     for k, i in enumerate(range(start, start + n)):
         prog = generate(seed, i)
+        if dynamic:
+            prog = with_dynamic(prog)
         out = check(prog)
         fail = summary.add(i, prog, out)
         if fail is not None:
@@ -94,3 +100,10 @@ def run(
         if progress is not None:
             progress.update(k + 1, summary)
     return summary
+
+
+def with_dynamic(prog: Program) -> Program:
+    """`prog` compiled with `aot_function(..., dynamic=True)`: symbolic sizes, `make_fx`'s trace, and
+    metadata mutations replayed from symbolic values. `check_against_eager` reads every input back
+    after every call, where symbolic sizes left on a caller's tensor show (issue 39)."""
+    return dataclasses.replace(prog, config=(*prog.config, ("dynamic", True)))

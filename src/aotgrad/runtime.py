@@ -91,7 +91,7 @@ class _Source:
             return repr(value)
         if isinstance(value, (list, tuple)):
             if not symbols_in(value):  # bound once, not rebuilt per call
-                return self.bind("a", value)
+                return self.bind("a", _plain_numbers(value))
             items = [self.literal(v) for v in value]
             if isinstance(value, tuple):
                 return "(" + "".join(f"{v}, " for v in items) + ")"
@@ -119,6 +119,21 @@ class _Source:
         fn = scope[name]
         fn.__aotgrad_source__ = src
         return fn
+
+
+def _plain_numbers(value: list | tuple) -> list | tuple:
+    """A size or stride list whose symbolic entries the trace specialised (a SymInt whose expression
+    is a constant) as plain numbers: bound as they are, `as_strided_` or a view would leave the
+    caller's tensor with symbolic sizes, which every later numel() on it refuses."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return _plain_numbers(v)
+        return _PLAIN_OF[type(v)](v.node.expr) if type(v) in _PLAIN_OF else v
+
+    return type(value)(plain(v) for v in value)
+
+
+_PLAIN_OF = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
 def _tuple_src(names: list[str]) -> str:

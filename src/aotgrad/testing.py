@@ -78,6 +78,7 @@ def _run(f, make_inputs, mutate_outputs: bool):
     result = {"roots": roots, "args": args}
     versions = [x._version for x in _tensors(args)]
     out = f(*args)
+    _read_back(args)
     result["out"] = out
     flat = pytree.tree_leaves(out)
     result["meta"] = [
@@ -105,6 +106,16 @@ def _run(f, make_inputs, mutate_outputs: bool):
                     after.append(("error", type(e).__name__))
         result["after_mutation"] = after
     return result
+
+
+def _read_back(args) -> None:
+    """Every input is still a usable tensor after the call: a replayed metadata mutation that left
+    symbolic sizes on it returns normally and only fails at its next use, far from the cause."""
+    for i, x in enumerate(_tensors(args)):
+        try:
+            x.clone()
+        except RuntimeError as e:
+            raise AssertionError(f"input {i} cannot be read back after the call: {str(e).splitlines()[0]}") from None
 
 
 def _loss_term(x: torch.Tensor) -> torch.Tensor:
