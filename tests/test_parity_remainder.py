@@ -59,3 +59,56 @@ def test_metadata_mutations_with_changing_sizes_leave_plain_sizes():
         outs = cf(*args)
         for t in (*args, *outs):
             _usable(t)
+
+
+# -- regression 1: SymInt / SymFloat example inputs in aot_module_simplified's fallback -------------
+
+
+def _symbolic_number(value):
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    if isinstance(value, int):
+        return env.create_symintnode(env.create_symbol(value, ConstantSource("n")), hint=value)
+    return env.create_symfloatnode(env.create_unspecified_symbol(value, ConstantSource("r")), hint=value)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x, k, r):
+        return (x * k).sin() * r, x.sum(0) + k
+
+
+def test_aot_module_simplified_takes_symint_and_symfloat_examples():
+    gm = torch.fx.symbolic_trace(_Scale())
+    x = torch.randn(3, 4, requires_grad=True)
+    compiled = aotgrad.aot_module_simplified(gm, [x, _symbolic_number(5), _symbolic_number(0.5)], aotgrad.nop)
+    for k, r, n in ((5, 0.5, 3), (7, 0.5, 3), (5, 1.5, 6)):
+        def make(k=k, r=r, n=n):
+            torch.manual_seed(n)
+            x = torch.randn(n, 4, requires_grad=True)
+            return (x,), (x, k, r)
+        check_against_eager(gm, make, compiled=compiled)
+
+
+def _scaled_by_size(x, y):
+    return (x * y.shape[0]).sin() + y.sum()
+
+
+def test_torch_compile_dynamic_with_subclass_input_and_symint_inputs():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch._dynamo.reset()
+
+    def backend(gm, example_inputs):
+        return aotgrad.aot_module_simplified(gm, example_inputs, aotgrad.nop)
+
+    compiled = torch.compile(_scaled_by_size, backend=backend, dynamic=True)
+    for n in (3, 4, 5):
+        def make(n=n):
+            torch.manual_seed(n)
+            a, b = torch.randn(n, 2), torch.randn(n, 2)
+            x = TwoTensor(a, b).requires_grad_()
+            return (x,), (x, torch.randn(n + 1))
+        check_against_eager(_scaled_by_size, make, compiled=compiled)
+    torch._dynamo.reset()

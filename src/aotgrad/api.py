@@ -165,6 +165,9 @@ class CompiledFunction:
         surfaces here, and the first call with the same signature finds the compiled entry."""
         args = (*self.lifted, *args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not inputs_stage.being_traced(leaves) and any(map(dynamic_shapes.is_symbolic_number, leaves)):
+            leaves = dynamic_shapes.hints(leaves)  # Dynamo's SymInt examples beside real tensors
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
         try:
             if inputs_stage.being_traced(leaves):
                 fakes = dynamic_shapes.traceable_fakes(leaves)

@@ -123,6 +123,25 @@ def free_symbols(x) -> set:
     return set()
 
 
+def is_symbolic_number(x) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def hints(leaves: Sequence[Any]) -> list:
+    """The leaves with each symbolic number that has a hint replaced by it. Why: Dynamo hands a
+    backend its SymInt/SymFloat graph inputs as SymInts beside real tensors (the fallback of
+    `aot_module_simplified` when its fakes cannot serve); compiled from real tensors, the entry is
+    keyed on the number's value, as the ints Dynamo passes per call are, so another value compiles
+    again rather than reusing a graph traced for this one. A nested int (a jagged size) or an unbacked
+    symbol has no value to stand for it and stays (`guards.constant_key` keys or refuses it)."""
+    out = []
+    for x in leaves:
+        if is_symbolic_number(x) and not x.node.is_nested_int() and x.node.has_hint():
+            x = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)](x.node.hint)
+        out.append(x)
+    return out
+
+
 def _tensor_symbols(leaves: Sequence[Any]) -> set:
     known: set = set()
     for x in leaves:
