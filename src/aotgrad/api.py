@@ -81,6 +81,9 @@ def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, 
         except NeedsTraining:  # called under no_grad, but the program turned grad mode on
             training = True
             layout, captured = _capture_merging_aliases(fn, leaves, spec, training, config)
+        else:
+            if training and _nothing_differentiable(captured, inputs_stage.primal_values(layout, leaves)):
+                layout, captured, training = _as_inference(fn, leaves, spec, config, layout, captured)
     if training:  # an inference graph is logged as it goes to its compiler
         observe.log_graph("joint", captured.graph)
     primals = inputs_stage.primal_values(layout, leaves)
@@ -105,6 +108,25 @@ def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, 
     run.plan = plan
     run.compiled = compiled
     return run
+
+
+def _nothing_differentiable(captured, primals: list) -> bool:
+    """No output requires grad and no input requiring grad is changed: the joint graph would have no
+    tangent and an empty backward. Upstream compiles such a program as an inference graph (its
+    `inference_compiler`), so do we."""
+    return captured.num_tangents == 0 and not any(
+        m.any and isinstance(p, torch.Tensor) and p.requires_grad for m, p in zip(captured.plan.mutations, primals))
+
+
+def _as_inference(fn, leaves, spec, config, layout, captured):
+    """Trace again without autograd; the graph then runs under no_grad (`Plan.inference_under_grad`).
+    Kept as training where the inference trace disagrees (NeedsTraining)."""
+    try:
+        layout_i, captured_i = _capture_merging_aliases(fn, leaves, spec, False, config)
+    except NeedsTraining:
+        return layout, captured, True
+    captured_i.plan = replace(captured_i.plan, inference_under_grad=True)
+    return layout_i, captured_i, False
 
 
 def _capture_merging_aliases(fn, leaves, spec, training, config):

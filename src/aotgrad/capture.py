@@ -241,7 +241,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage
     if hooks.requires_grad_called:
         _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
-    if not training and any(isinstance(o, torch.Tensor) and o.requires_grad for o in flat_out):
+    if not training and _outputs_need_autograd(flat_out, [*funs, *bases, *user_leaves]):
         raise NeedsTraining  # outputs of an enable_grad() region, or marked with requires_grad_()
 
     fw = _Forward(out_spec=out_spec)
@@ -297,6 +297,22 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
                                       any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals))
         _refuse_writes_of_new_leaves(bases, inputs, [g for g, _ in before])
     return list(fw.fw_values) + list(grads)
+
+
+def _outputs_need_autograd(flat_out, inputs: list) -> bool:
+    """Does some output of a trace without autograd require grad through a history only a training
+    graph gives it? Not an input returned as is, nor a view taken under no_grad of an input requiring
+    grad: eager gives such a view requires_grad=True without a grad_fn, and the run time rebuilds it
+    from the caller's tensor the same way. So the user's inference_compiler gets those programs."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    known = {id(t) for t in tensors} | {id(t._base) for t in tensors if t._base is not None}
+    for o in flat_out:
+        if not isinstance(o, torch.Tensor) or not o.requires_grad or id(o) in known:
+            continue
+        if o.grad_fn is None and o._base is not None and id(o._base) in known:
+            continue
+        return True
+    return False
 
 
 def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves) -> None:

@@ -359,6 +359,9 @@ class Plan:
     # False for a training plan of a call made under no_grad whose program turned grad mode on
     # (`torch.enable_grad()`): the autograd.Function is applied with grad mode on, as those ops ran.
     grad_mode_at_call: bool = True
+    # An inference plan for a call in grad mode with inputs requiring grad, because nothing the
+    # program returns or writes needs a gradient (upstream's rule): its graph runs under no_grad.
+    inference_under_grad: bool = False
 
     @property
     def num_fw_outputs(self) -> int:

@@ -553,7 +553,7 @@ def _emit_graph_call(src: _Source, plan: Plan, line: str) -> None:
     if plan.autocast:
         src.globals["_no_autocast"] = ambient.no_autocast
         contexts.append("_no_autocast()")
-    if plan.prologue and not plan.is_training:
+    if (plan.prologue and not plan.is_training) or plan.inference_under_grad:
         contexts.append("_no_grad()")
     if contexts:
         src.emit(f"with {', '.join(contexts)}:")
