@@ -28,6 +28,7 @@ from . import export_pre_dispatch
 from . import inputs as inputs_stage
 from .api import _functional_call
 from .capture import capture
+from .capture_state import NeedsSyntheticBase, NeedsTraining
 from .dynamic_shapes import export_context, export_leaves
 from .errors import UnsupportedInputError, UnsupportedMutationError, UnsupportedOutputError
 from .plan import (
@@ -115,9 +116,12 @@ def aot_export_module(
     if layout.leaf_views or any(not isinstance(s, FromLeaf) for s in layout.primal_sources) or (
         list(layout.leaf_primal) != list(range(len(leaves)))
     ):
-        raise UnsupportedInputError("aotgrad.aot_export_module: inputs share memory (a tensor passed twice, "
-                                    "or views of one tensor); pass independent tensors (.clone()).")
+        raise UnsupportedInputError(_SHARED_INPUTS)
     return _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, output_loss_index)
+
+
+_SHARED_INPUTS = ("aotgrad.aot_export_module: inputs share memory (a tensor passed twice, or views of one "
+                  "tensor); pass independent tensors (.clone()).")
 
 
 def _capture_for_export(fn, leaves: list, spec, trace_joint: bool, decompositions: dict | None):
@@ -125,9 +129,19 @@ def _capture_for_export(fn, leaves: list, spec, trace_joint: bool, decomposition
     inputs_stage.check_supported(leaves)
     layout = inputs_stage.layout_for(leaves, spec)
     primals = inputs_stage.primal_values(layout, leaves)
-    with torch.enable_grad() if trace_joint else torch.no_grad(), export_context(leaves):
-        captured = capture(fn, layout, leaves, primals, training=trace_joint,
-                           decompositions=decompositions, keep_inference_input_mutations=False)
+    try:
+        with torch.enable_grad() if trace_joint else torch.no_grad(), export_context(leaves):
+            captured = capture(fn, layout, leaves, primals, training=trace_joint,
+                               decompositions=decompositions, keep_inference_input_mutations=False,
+                               storage_groups=inputs_stage.storage_groups(leaves))
+    except NeedsTraining:  # aot_function retraces with autograd; an inference export cannot
+        raise UnsupportedOutputError(
+            "aotgrad.aot_export_module: with trace_joint=False an output requires grad through autograd "
+            "history the program made itself (an enable_grad() region, or requires_grad_()); the exported "
+            "inference graph cannot carry it. Export with trace_joint=True, or return it .detach()ed."
+        ) from None
+    except NeedsSyntheticBase:  # aot_function merges them into one base; the export's inputs stay apart
+        raise UnsupportedInputError(_SHARED_INPUTS) from None
     return layout, captured
 
 
@@ -154,7 +168,7 @@ def _export_graph(captured, leaves, names, kinds, in_spec, trace_joint, loss_ind
     # User outputs, views rebuilt inside the graph.
     user_nodes: list = []
     for pos, src in enumerate(plan.out_sources[: plan.out_spec.num_leaves]):
-        user_nodes.append(_output_node(graph, out_node, src, pos, fw_values, primal_nodes, user_nodes))
+        user_nodes.append(_output_node(graph, out_node, src, pos, fw_values, primal_nodes, user_nodes, mutated))
 
     if trace_joint:
         _seed_loss(graph, plan, fw_values, tangents, user_nodes, loss_index)
@@ -226,14 +240,17 @@ def _check_epilogue(plan, kinds, names, requires_grad, trace_joint) -> None:
                                            "requires grad, in a joint export. Clone it first.")
 
 
-def _output_node(graph, out_node, src, pos, fw_values, primal_nodes, done):
+def _output_node(graph, out_node, src, pos, fw_values, primal_nodes, done, mutated):
+    """The node of user output `pos`. An input (or a view of one) the program wrote into is read
+    from its new value (`mutated`, per primal; export's leaves are its primals): the graph input
+    still holds the old one."""
     if isinstance(src, GraphOutput):
         return fw_values[src.index]
     if isinstance(src, InputItself):
-        return primal_nodes[src.leaf]
+        return mutated.get(src.leaf, primal_nodes[src.leaf])
     if isinstance(src, SameAs):
         return done[src.position]
-    base = {AliasOfPrimal: lambda s: primal_nodes[s.primal],
+    base = {AliasOfPrimal: lambda s: mutated.get(s.primal, primal_nodes[s.primal]),
             AliasOfGraphOutput: lambda s: fw_values[s.index],
             AliasOfOutput: lambda s: done[s.position]}.get(type(src))
     if base is None:
