@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import aotgrad
@@ -112,3 +113,191 @@ def test_torch_compile_dynamic_with_subclass_input_and_symint_inputs():
             return (x,), (x, torch.randn(n + 1))
         check_against_eager(_scaled_by_size, make, compiled=compiled)
     torch._dynamo.reset()
+
+
+# -- regression 2: the user's inference_compiler --------------------------------------------------
+
+
+class _Compilers:
+    """Records which of the user's compilers were called."""
+
+    def __init__(self):
+        self.called: list[str] = []
+
+    def kwargs(self) -> dict:
+        def make(name):
+            def compiler(gm, _example):
+                self.called.append(name)
+                return gm
+            return compiler
+
+        return dict(fw_compiler=make("fw"), bw_compiler=make("bw"), inference_compiler=make("inference"))
+
+
+def _under_no_grad(fn):
+    def call(*args):
+        with torch.no_grad():
+            return fn(*args)
+    return call
+
+
+def _views_and_product(x, y):
+    return x.view(-1), x[1:], y * 2, x
+
+
+def _views_only(x):
+    return x.t(), x
+
+
+def test_inference_compiler_under_no_grad_with_view_outputs_of_inputs_requiring_grad():
+    for fn in (_views_and_product, _views_only):
+        compilers = _Compilers()
+        cf = aotgrad.aot_function(fn, **compilers.kwargs())
+        for n in (3, 3, 4):
+            def make(n=n, arity=fn.__code__.co_argcount):
+                torch.manual_seed(n)
+                x = torch.randn(n, 4, requires_grad=True)
+                return (x,), (x, torch.randn(n, 4, requires_grad=True))[:arity]
+            check_against_eager(_under_no_grad(fn), make, compiled=_under_no_grad(cf))
+        assert compilers.called == ["inference", "inference"], compilers.called
+
+
+def _returns_nothing_differentiable(x, y, buf):
+    buf.add_(x.detach())  # a write into an input that does not require grad
+    return (x * y).detach(), x.argmax(), y.view(-1).detach()
+
+
+def test_inference_compiler_for_program_returning_nothing_that_requires_grad():
+    compilers = _Compilers()
+    cf = aotgrad.aot_function(_returns_nothing_differentiable, **compilers.kwargs())
+    for n in (3, 3, 5):
+        def make(n=n):
+            torch.manual_seed(n)
+            x, y = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
+            return (x, y), (x, y, torch.zeros(n))
+        check_against_eager(_returns_nothing_differentiable, make, compiled=cf)
+    assert compilers.called == ["inference", "inference"], compilers.called
+
+
+def _write_into_nonleaf_under_no_grad(x):
+    with torch.no_grad():
+        x.mul_(2)
+    return x.detach() + 1
+
+
+def test_program_changing_an_input_requiring_grad_stays_training():
+    compilers = _Compilers()
+    cf = aotgrad.aot_function(_write_into_nonleaf_under_no_grad, **compilers.kwargs())
+
+    def make():
+        torch.manual_seed(0)
+        root = torch.randn(4, requires_grad=True)
+        return (root,), (root * 1,)
+    check_against_eager(_write_into_nonleaf_under_no_grad, make, compiled=cf)
+    assert "inference" not in compilers.called
+
+
+# -- regression 3: aot_export_module on programs mutating an input requiring grad ----------------
+
+
+class _MutateReturnInput(torch.nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return (x,)
+
+
+class _MutateReturnView(torch.nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return (x[0], x.sum())
+
+
+@pytest.mark.parametrize("module", [_MutateReturnInput, _MutateReturnView])
+@pytest.mark.parametrize("leaf", [False, True])
+def test_export_of_program_mutating_input_requiring_grad(module, leaf):
+    for n in (3, 3, 5):
+        torch.manual_seed(n)
+        root = torch.randn(n, requires_grad=True)
+        x = root if leaf else root * 1
+        gm, sig = aotgrad.aot_export_module(module(), (x.detach().clone().requires_grad_(leaf or True),),
+                                             trace_joint=False)
+        assert list(sig.user_inputs_to_mutate.values()) == sig.user_inputs
+        with torch.no_grad():
+            new_x, *outs = gm(x.detach().clone())
+            ref_x = x.detach().clone()
+            ref = module()(ref_x)
+        torch.testing.assert_close(new_x, ref_x)
+        for a, b in zip(outs, ref):
+            torch.testing.assert_close(a, b)
+
+
+class _GradRegionOutput(torch.nn.Module):
+    def forward(self, x):
+        with torch.enable_grad():
+            y = x * 2
+        return (y,)
+
+
+class _WriteOverlapping(torch.nn.Module):
+    def forward(self, x, y):
+        x.add_(1)
+        return (y * 2,)
+
+
+def test_export_refuses_with_aotgrad_errors_not_retrace_signals():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(aotgrad.errors.UnsupportedOutputError, match="enable_grad"):
+        aotgrad.aot_export_module(_GradRegionOutput(), (x,), trace_joint=False)
+    b = torch.zeros(6)
+    with pytest.raises(aotgrad.errors.UnsupportedInputError, match="share memory"):
+        aotgrad.aot_export_module(_WriteOverlapping(), (b[:4], b[2:]), trace_joint=False)
+
+
+# -- item 5: FSDP2's unshard, reshard, unshard again of one parameter in one graph ----------------
+
+_RESIZE = torch.ops.inductor.resize_storage_bytes_.default
+
+
+def _unshard_twice(p, data, data2, x):
+    """A weight used twice (FSDP2 reshards between the uses): resize_storage_bytes_ then set_ under
+    no_grad, a use, the reshard (free), and the same again with the next all-gather's data."""
+    _RESIZE(p, p.numel() * p.itemsize)
+    with torch.no_grad():
+        p.set_(data)
+    out = x * p.sum(1)
+    _RESIZE(p, 0)
+    _RESIZE(p, p.numel() * p.itemsize)
+    with torch.no_grad():
+        p.set_(data2)
+    out = out * p.sum(1)
+    _RESIZE(p, 0)
+    return out
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_fsdp2_unshard_reshard_unshard_again_in_one_graph(partition):
+    from helpers import GraphRecorder
+
+    part = {"default": aotgrad.default_partition, "min_cut": aotgrad.min_cut_rematerialization_partition}[partition]
+    rec = GraphRecorder()
+    cf = aotgrad.aot_function(_unshard_twice, rec, partition_fn=part)
+
+    def make(seed):
+        torch.manual_seed(seed)
+        p = torch.nn.Parameter(torch.empty(3, 4))
+        p.untyped_storage().resize_(0)
+        return p, torch.randn(3, 4), torch.randn(3, 4), torch.randn(2, 3, requires_grad=True)
+
+    for seed in range(3):
+        ref_args, args = make(seed), make(seed)
+        ref, out = _unshard_twice(*ref_args), cf(*args)
+        torch.testing.assert_close(out, ref)
+        ref.sum().backward()
+        out.sum().backward()
+        for a, b in zip(args, ref_args):
+            assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes()
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
+        assert args[0].untyped_storage().data_ptr() == args[2].untyped_storage().data_ptr()
+    forward_ops = rec.targets(0, among=(_RESIZE, torch.ops.aotgrad.set_.default))
+    assert forward_ops == [_RESIZE, torch.ops.aotgrad.set_.default, _RESIZE] * 2

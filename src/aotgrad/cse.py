@@ -11,8 +11,9 @@ operator on the same arguments and points the others' readers at it. In a functi
 changes no value. What it never merges:
 
 - operators that draw random numbers (`nondeterministic_seeded`), write into an argument (mutable
-  schema), or are not plain aten/prims/custom operators (higher-order operators, Python functions
-  on symbolic sizes), and effect tokens;
+  schema) or have other side effects (`resize_storage_bytes_`), or are not plain aten/prims/custom
+  operators (higher-order operators, Python functions on symbolic sizes), and effect tokens;
+- reads of a value on either side of a write the graph keeps in place (`_note_writes`);
 - nodes whose tags the partitioner reads and that differ (activation-checkpoint decisions, names
   given with `checkpoint_name`), and nodes capture tagged (input clones, backward mutations);
 - two values that each reach a graph output (the output itself, or a view on its way there):
@@ -43,13 +44,16 @@ def eliminate_common_subexpressions(graph: Graph, keep_apart: tuple[str, ...] = 
     Nodes with a truthy `meta[k]` for any `k` in `keep_apart` are left alone."""
     reaches_output = _values_reaching_outputs(graph)
     first_of: dict[tuple, Node] = {}
+    writes: dict[Node, int] = {}  # per root value: in-graph writes seen so far (see _note_writes)
     removed = 0
     for node in list(graph.nodes):
+        _note_writes(node, writes)
         if not _mergeable(node, keep_apart):
             continue
         try:
             key = (node.target, _frozen(node.args), _frozen(node.kwargs),
-                   tuple(node.meta.get(k) for k in _DISTINGUISHING_META))
+                   tuple(node.meta.get(k) for k in _DISTINGUISHING_META),
+                   tuple(writes.get(_root(n), 0) for n in node.all_input_nodes))
             hash(key)
         except (_Unhashable, TypeError):
             continue
@@ -66,8 +70,33 @@ def eliminate_common_subexpressions(graph: Graph, keep_apart: tuple[str, ...] = 
     return removed
 
 
+def _note_writes(node: Node, writes: dict[Node, int]) -> None:
+    """Count a write the graph keeps in place (FSDP's `aotgrad.set_`, `resize_storage_bytes_`,
+    `fsdp.copy_`, a backward mutation's `copy_`) against the root of the value written: a read of
+    it after the write is not the same computation as one before (an FSDP2 unshard, reshard and
+    unshard again of one parameter reads two different all-gathers)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return
+    schema = node.target._schema
+    written = [a for a, arg in zip(node.args, schema.arguments)
+               if isinstance(a, Node) and arg.alias_info is not None and arg.alias_info.is_write]
+    if not written and node.is_impure() and node.args and isinstance(node.args[0], Node):
+        written = [node.args[0]]  # resize_storage_bytes_'s schema does not mark what it changes
+    for a in written:
+        root = _root(a)
+        writes[root] = writes.get(root, 0) + 1
+
+
+def _root(node: Node) -> Node:
+    """The value `node` is a view of, through any chain of views (itself if none)."""
+    seen = 0
+    while (source := _viewed(node)) is not None and seen < 1000:
+        node, seen = source, seen + 1
+    return node
+
+
 def _mergeable(node: Node, keep_apart: tuple[str, ...]) -> bool:
-    if node.op != "call_function" or any(node.meta.get(k) for k in keep_apart):
+    if node.op != "call_function" or any(node.meta.get(k) for k in keep_apart) or node.is_impure():
         return False
     target = node.target
     if target is operator.getitem:
