@@ -301,9 +301,10 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
 
 def _outputs_need_autograd(flat_out, inputs: list) -> bool:
     """Does some output of a trace without autograd require grad through a history only a training
-    graph gives it? Not an input returned as is, nor a view taken under no_grad of an input requiring
-    grad: eager gives such a view requires_grad=True without a grad_fn, and the run time rebuilds it
-    from the caller's tensor the same way. So the user's inference_compiler gets those programs."""
+    graph gives it? Not an input returned as is, nor a view of an input without a grad_fn: one taken
+    under no_grad of an input requiring grad (eager gives it requires_grad=True), or one the program
+    marked with requires_grad_() (`ViewChain.requires_grad`); the run time rebuilds both from the
+    caller's tensor the same way. So the user's inference_compiler gets those programs."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     known = {id(t) for t in tensors} | {id(t._base) for t in tensors if t._base is not None}
     for o in flat_out:

@@ -121,13 +121,21 @@ def _refuse_new_leaf(name: str, o: torch.Tensor, inputs: dict[int, int]) -> None
     refused."""
     base = o._base if isinstance(o, FunctionalTensor) else None
     new_base = base is not None and base.is_leaf and id(base) not in inputs
-    if isinstance(o, FunctionalTensor) and o.requires_grad and o.is_leaf and (
+    if isinstance(o, FunctionalTensor) and o.requires_grad and o.is_leaf and not _marked_view_of_input(o, inputs) and (
             base is None or not base.requires_grad or new_base):
         raise UnsupportedOutputError(
             f"aotgrad: {name} is a leaf tensor created inside the program with requires_grad=True (or a "
             "view the program marked with requires_grad_()); aotgrad can only return tensors computed from "
             "the inputs. Pass it in as an input."
         )
+
+
+def _marked_view_of_input(o: torch.Tensor, inputs: dict[int, int]) -> bool:
+    """A view of an input that does not require grad, which the program marked with requires_grad_():
+    rebuilt at run time and marked the same way (`ViewChain.requires_grad`), as eager's leaf."""
+    base = getattr(o, "_base", None)
+    return (base is not None and id(base) in inputs and not base.requires_grad and o.requires_grad
+            and o.is_leaf and o.grad_fn is None)
 
 
 def _is_graph_value(source) -> bool:
@@ -198,6 +206,8 @@ def _classify_output(fw, layout, name, o, leaf_of, base_storage, bases, shifts, 
     if shifts[k]:
         chain = replace(chain, steps=_steps_in_caller_coordinates(chain.steps, shifts[k], Fraction(1)))
     leaf = getattr(o, "_aotgrad_member_leaf", None)
+    if _marked_view_of_input(o, leaf_of):
+        chain = replace(chain, requires_grad=True)
     if leaf is not None and isinstance(layout.primal_sources[k], StorageOfLeaf) and not m.storage and _starts_absolute(chain):
         return AliasOfLeaf(leaf, chain)
     return AliasOfPrimal(k, chain)

@@ -212,6 +212,9 @@ class ViewChain:
     no_grad_steps: int = 0
     detach: bool = False
     multi_output: bool = False
+    # The program marked the view with requires_grad_() while its base (an input) does not require
+    # grad: eager makes it an autograd leaf requiring grad, and so does the run time after the rebuild.
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True)

@@ -634,6 +634,8 @@ def _emit_chain(src: _Source, target: str, base: str, chain: ViewChain) -> None:
         set_meta = src.bind("set_creation_meta", torch._C._autograd._set_creation_meta)
         meta = src.bind("multi_output", torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE)
         src.emit(f"{set_meta}({target}, {meta})")
+    if chain.requires_grad:
+        src.emit(f"{target}.requires_grad_(True)")
 
 
 def _step_expr(src: _Source, step) -> Callable[[str], str]:
