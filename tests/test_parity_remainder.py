@@ -301,3 +301,94 @@ def test_fsdp2_unshard_reshard_unshard_again_in_one_graph(partition):
         assert args[0].untyped_storage().data_ptr() == args[2].untyped_storage().data_ptr()
     forward_ops = rec.targets(0, among=(_RESIZE, torch.ops.aotgrad.set_.default))
     assert forward_ops == [_RESIZE, torch.ops.aotgrad.set_.default, _RESIZE] * 2
+
+
+# -- item 7: an output view marked requires_grad_() while its base input does not require grad ----
+
+
+def _marked_view(x):
+    v = x.view(-1)
+    v.requires_grad_()
+    return v
+
+
+def _marked_views_beside_training(x, w):
+    v = x[1:].t()
+    v.requires_grad_()
+    return v, (x * w).sum(), x[0]
+
+
+def _marked_view_used(x):
+    v = x[0]
+    v.requires_grad_()
+    return v * 2, v
+
+
+@pytest.mark.parametrize("fn", [_marked_view, _marked_views_beside_training])
+def test_output_view_marked_requires_grad_on_input_without_grad(fn):
+    cf = aotgrad.aot_function(fn, aotgrad.nop)
+    for n in (3, 3, 4):
+        def make(n=n, arity=fn.__code__.co_argcount):
+            torch.manual_seed(n)
+            w = torch.randn(n, 3, requires_grad=True)
+            return (w,), (torch.randn(n, 3), w)[:arity]
+        check_against_eager(fn, make, compiled=cf)
+        _, args = make()
+        v = cf(*args)
+        v = v[0] if isinstance(v, tuple) else v
+        assert v.is_leaf and v.requires_grad and v._base is args[0]
+
+
+def test_output_view_marked_requires_grad_under_dynamic_and_no_grad():
+    cf = aotgrad.aot_function(_marked_view, aotgrad.nop, dynamic=True)
+    for n in (3, 5, 6):
+        def make(n=n):
+            torch.manual_seed(n)
+            return (), (torch.randn(n, 2),)
+        check_against_eager(_marked_view, make, compiled=cf)
+        check_against_eager(_under_no_grad(_marked_view), make, compiled=_under_no_grad(cf))
+
+
+def test_output_computed_from_a_marked_view_is_still_refused():
+    with pytest.raises(aotgrad.errors.UnsupportedOutputError, match="requires_grad_"):
+        aotgrad.aot_function(_marked_view_used, aotgrad.nop)(torch.randn(3, 3))
+
+
+# -- item 6: torch.ops.higher_order.map (nested too) under aot_function --------------------------
+
+
+def _hop_map(f, xs, *args):
+    from torch._higher_order_ops.map import map as hop_map
+
+    return hop_map(f, xs, *args)
+
+
+def _mapped(xs, w):
+    return _hop_map(lambda x, w: (x * w).sin(), xs, w)
+
+
+def _nested_maps(xs, w):
+    return _hop_map(lambda y, w: _hop_map(lambda z, w: z * w + 1, y, w), xs, w).sum()
+
+
+_CLOSED_OVER = torch.randn(3, requires_grad=True)
+
+
+def _map_over_closure(xs):
+    return _hop_map(lambda x: (x * _CLOSED_OVER).cos(), xs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("fn", [_mapped, _nested_maps, _map_over_closure])
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_higher_order_map_under_aot_function(fn, dynamic, requires_grad):
+    cf = aotgrad.aot_function(fn, aotgrad.nop, dynamic=dynamic)
+    for n in (4, 4, 6):
+        def make(n=n, arity=fn.__code__.co_argcount):
+            torch.manual_seed(n)
+            w = torch.randn(3, requires_grad=requires_grad)
+            xs = torch.randn(n, 2, 3, requires_grad=requires_grad)
+            return (xs, w, _CLOSED_OVER), (xs, w)[:arity]
+        # Eager's map returns a view made inside its autograd.Function, which refuses in-place ops;
+        # the compiled output is a plain tensor (as upstream's). Everything else is compared.
+        check_against_eager(fn, make, compiled=cf, mutate_outputs=False)

@@ -61,6 +61,11 @@ class Substitute(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():
+            # A higher-order op run eagerly inside the trace (`higher_order.map`) captures its body
+            # with Dynamo, which would trace this method too and break the graph on its checks. The
+            # op's captured inputs come back through this mode when the op itself is called.
+            return func(*args, **kwargs)
         if not kwargs and not any(_maybe_outside(a) for a in args):  # the common case, without pytree
             return func(*args)
         found: list[torch.Tensor] = []
