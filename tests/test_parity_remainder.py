@@ -392,3 +392,52 @@ def test_higher_order_map_under_aot_function(fn, dynamic, requires_grad):
         # Eager's map returns a view made inside its autograd.Function, which refuses in-place ops;
         # the compiled output is a plain tensor (as upstream's). Everything else is compared.
         check_against_eager(fn, make, compiled=cf, mutate_outputs=False)
+
+
+# -- item 8: aot_export_module(dynamic_shapes=True) with .item() ---------------------------------
+
+
+class _ItemOfInput(torch.nn.Module):
+    def forward(self, x, n):
+        k = n.item()
+        return torch.ones(k) * 2, x * k + 1
+
+
+class _ItemComputed(torch.nn.Module):
+    def forward(self, x):
+        k = (x > 0).sum().item()
+        return (x * k, torch.zeros(k))
+
+
+class _BranchOnItem(torch.nn.Module):
+    def forward(self, x, n):
+        return (x * 2,) if n.item() > 2 else (x * 3,)
+
+
+def _item_symbols(gm) -> list[str]:
+    return [str(n.meta["val"]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten._local_scalar_dense.default]
+
+
+@pytest.mark.parametrize("module, make", [
+    (_ItemOfInput, lambda n: (torch.randn(n, 4), torch.tensor(n + 1))),
+    (_ItemComputed, lambda n: (torch.randn(n, 4),)),
+])
+def test_export_dynamic_item_is_an_unbacked_symbol(module, make):
+    gm, sig = aotgrad.aot_export_module(module(), make(3), trace_joint=False, dynamic_shapes=True)
+    assert [s[0] for s in _item_symbols(gm)] == ["u"], _item_symbols(gm)  # unbacked, as upstream's
+    for n in (3, 5, 2):  # the graph serves other sizes and values
+        torch.manual_seed(n)
+        args = make(n)
+        out, ref = gm(*args), module()(*args)
+        assert len(out) == len(ref)
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b)
+
+
+def test_export_refuses_branch_on_item_and_item_without_dynamic_shapes():
+    args = (torch.randn(3, 4), torch.tensor(3))
+    with pytest.raises(aotgrad.errors.DataDependentError, match="torch.cond"):
+        aotgrad.aot_export_module(_BranchOnItem(), args, trace_joint=False, dynamic_shapes=True)
+    with pytest.raises(aotgrad.errors.DataDependentError, match="dynamic_shapes=True"):
+        aotgrad.aot_export_module(_ItemOfInput(), args, trace_joint=False)

@@ -171,12 +171,15 @@ def needs_concrete_sizes(plan) -> bool:
 # -- fakes with symbolic sizes -----------------------------------------------------------------------
 
 
-def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0) -> list | None:
+def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0, *, export: bool = False) -> list | None:
     """Fakes of the caller's tensors in a new ShapeEnv, every size of leaf `num_static` on symbolic
     (duck-sized, 0/1 specialized: upstream's `dynamic=True`); leaves before it (parameters and
     buffers) keep static sizes, non-tensors stay as they are (they are in the signature). None when
     symbolic sizes cannot serve these leaves: tensors sharing memory (layouts and synthetic bases
-    are decided on exact sizes), subclasses, non-strided layouts."""
+    are decided on exact sizes), subclasses, non-strided layouts. `export`: a 0-d integer or float64
+    input's `.item()` is an unbacked symbol, as upstream's export records it, not one backed by the
+    example's value: the guards that value would answer are not part of an exported graph, which
+    would then hold the example's branch silently."""
     from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -185,7 +188,7 @@ def symbolic_fakes(leaves: Sequence[Any], num_static: int = 0) -> list | None:
     if not tensors or alias_key(with_inner_tensors(leaves)) or any(
             (is_wrapper(x) and not subclass_symbolic.symbolic_ok(x)) or x.layout is not torch.strided for x in tensors):
         return None
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True, export=export)
     out = []
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
@@ -226,7 +229,7 @@ def export_leaves(leaves: list, num_static: int, dynamic: bool | None) -> list:
     if fakes is not None:
         return fakes
     if dynamic:
-        return symbolic_fakes(leaves, num_static) or leaves  # inputs sharing memory are refused later
+        return symbolic_fakes(leaves, num_static, export=True) or leaves  # inputs sharing memory: refused later
     return leaves
 
 

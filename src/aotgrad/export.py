@@ -26,11 +26,16 @@ from torch.utils import _pytree as pytree
 
 from . import export_pre_dispatch
 from . import inputs as inputs_stage
-from .api import _functional_call
+from .api import DATA_DEPENDENT, _data_dependent_error, _functional_call
 from .capture import capture
 from .capture_state import NeedsSyntheticBase, NeedsTraining
 from .dynamic_shapes import export_context, export_leaves
-from .errors import UnsupportedInputError, UnsupportedMutationError, UnsupportedOutputError
+from .errors import (
+    DataDependentError,
+    UnsupportedInputError,
+    UnsupportedMutationError,
+    UnsupportedOutputError,
+)
 from .plan import (
     AliasOfGraphOutput,
     AliasOfOutput,
@@ -142,6 +147,12 @@ def _capture_for_export(fn, leaves: list, spec, trace_joint: bool, decomposition
         ) from None
     except NeedsSyntheticBase:  # aot_function merges them into one base; the export's inputs stay apart
         raise UnsupportedInputError(_SHARED_INPUTS) from None
+    except DATA_DEPENDENT as e:
+        raise DataDependentError(
+            f"aotgrad.aot_export_module: {_data_dependent_error(e).args[0].removeprefix('aotgrad: ').split(';')[0]}; "
+            "with exact sizes the graph cannot hold it. Export with dynamic_shapes=True (an unbacked symbol "
+            "stands for the value; a branch on it still cannot be exported: use torch.cond)."
+        ) from e
     return layout, captured
 
 
