@@ -52,10 +52,12 @@ def constant_key(x: Any, where: str = "argument", depth: int = 0) -> Any:
     """The part of the signature for non-tensor `x` (see module docstring)."""
     if isinstance(x, VALUE_TYPES):
         return (type(x), x)
+    if isinstance(x, torch.SymInt) and x.node.is_nested_int():  # a jagged size: which one, and its factor
+        return (torch.SymInt, ("nested int", x.node.nested_int(), x.node.nested_int_coeff()))
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise UnsupportedInputError(
             f"aotgrad: {where} is a symbolic {type(x).__name__[3:].lower()} ({x.node}) with no value to key the "
-            "compiled graph on (a nested int or an unbacked symbol); pass its value, or compile on fake "
+            "compiled graph on (an unbacked symbol); pass its value, or compile on fake "
             "tensors of the same ShapeEnv (torch.compile does) so it stays a symbol."
         )
     if isinstance(x, types.MethodType):  # a new bound-method object per attribute access
