@@ -441,3 +441,40 @@ def test_export_refuses_branch_on_item_and_item_without_dynamic_shapes():
         aotgrad.aot_export_module(_BranchOnItem(), args, trace_joint=False, dynamic_shapes=True)
     with pytest.raises(aotgrad.errors.DataDependentError, match="dynamic_shapes=True"):
         aotgrad.aot_export_module(_ItemOfInput(), args, trace_joint=False)
+
+
+# -- item 4 (part): a plain input meeting a TwoTensor, written in place -------------------------
+
+
+def _write_plain_times_subclass(x, y):
+    x.add_(1)
+    return x * y
+
+
+def _write_subclass_times_plain(x, y):
+    y.add_(1)
+    return x * y
+
+
+def _plain_and_two_tensor(x_requires_grad):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def make():
+        torch.manual_seed(0)
+        root = torch.randn(3, requires_grad=x_requires_grad)
+        return (root,), (root * 1 if x_requires_grad else root, TwoTensor(torch.randn(3), torch.randn(3)))
+    return make
+
+
+@pytest.mark.parametrize("fn", [_write_plain_times_subclass, _write_subclass_times_plain])
+def test_plain_and_two_tensor_with_distinct_storages_one_written(fn):
+    for _ in range(3):
+        check_against_eager(fn, _plain_and_two_tensor(False))
+    check_against_eager(_write_subclass_times_plain, _plain_and_two_tensor(True))
+
+
+def test_written_plain_input_with_a_subclass_gradient_is_refused_by_name():
+    # Its gradient is a TwoTensor (spread over the inner gradients): not "inputs overlap in memory".
+    _, args = _plain_and_two_tensor(True)()
+    with pytest.raises(aotgrad.errors.UnsupportedMutationError, match="gradient is a tensor subclass"):
+        aotgrad.aot_function(_write_plain_times_subclass, aotgrad.nop)(*args)

@@ -303,7 +303,10 @@ class Boundary:
         for i, x in enumerate(leaves):
             lay = self.layouts[i]
             if i in self.spread:
-                out.extend(_Spread.apply(self.spread[i], x))
+                copies = _Spread.apply(self.spread[i], x)
+                for c in copies:  # named if the program writes into it (inputs._synthetic_base_source)
+                    c._aotgrad_spread_of = i
+                out.extend(copies)
             elif lay is None:
                 out.append(x)
             elif self.first[i] != i:  # the same subclass again: the same plain tensors
