@@ -478,3 +478,16 @@ def test_written_plain_input_with_a_subclass_gradient_is_refused_by_name():
     _, args = _plain_and_two_tensor(True)()
     with pytest.raises(aotgrad.errors.UnsupportedMutationError, match="gradient is a tensor subclass"):
         aotgrad.aot_function(_write_plain_times_subclass, aotgrad.nop)(*args)
+
+
+def _mark_view_while_inputs_overlap(x, y):
+    y.add_(1)
+    v = x.view(-1)
+    v.requires_grad_()
+    return v
+
+
+def test_marked_view_with_overlapping_written_inputs_is_refused_not_unmarked():
+    b = torch.randn(4, 3)
+    with pytest.raises(aotgrad.errors.UnsupportedMutationError, match="requires_grad_"):
+        aotgrad.aot_function(_mark_view_while_inputs_overlap, aotgrad.nop)(b[1:], b[:2])

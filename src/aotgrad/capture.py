@@ -240,7 +240,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     flat_out, out_spec = pytree.tree_flatten(out)
     subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage
     if hooks.requires_grad_called:
-        _refuse_requires_grad_on_shared_inputs(leaves, user_leaves)
+        _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged=bool(layout.leaf_views))
     if not training and _outputs_need_autograd(flat_out, [*funs, *bases, *user_leaves]):
         raise NeedsTraining  # outputs of an enable_grad() region, or marked with requires_grad_()
 
@@ -316,10 +316,19 @@ def _outputs_need_autograd(flat_out, inputs: list) -> bool:
     return False
 
 
-def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves) -> None:
+def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged: bool = False) -> None:
     """requires_grad_() on an input that is a view or shares memory with another input: autograd
-    then ties the gradient state of the tensors sharing that memory together; refused."""
+    then ties the gradient state of the tensors sharing that memory together; refused. So is any
+    requires_grad_() where inputs sharing memory were merged into one base (`merged`): traced as
+    views of that base, a view the program marks loses the mark (an output view came back without
+    requires_grad)."""
     shared = {i for g in shared_storage_groups(leaves) for i in g}
+    if merged:
+        raise UnsupportedMutationError(
+            f"aotgrad: the program calls requires_grad_() while inputs {sorted(shared)} share memory and one "
+            "of them is written; aotgrad traces them as views of one base, where the mark is lost. Call "
+            "requires_grad_() before the call, or pass separate tensors (.clone())."
+        )
     for i, (x, u) in enumerate(zip(leaves, user_leaves)):
         if isinstance(x, torch.Tensor) and not x.requires_grad and u.requires_grad and (x._is_view() or i in shared):
             raise UnsupportedMutationError(
