@@ -491,3 +491,14 @@ def test_marked_view_with_overlapping_written_inputs_is_refused_not_unmarked():
     b = torch.randn(4, 3)
     with pytest.raises(aotgrad.errors.UnsupportedMutationError, match="requires_grad_"):
         aotgrad.aot_function(_mark_view_while_inputs_overlap, aotgrad.nop)(b[1:], b[:2])
+
+
+# -- the dynamic fuzzer's finds on the code before (a): seed 1, symbolic sizes left on inputs ------
+
+
+@pytest.mark.parametrize("index", [60, 291, 313, 318, 350])  # crashes (60, 291, 318), mismatches (313, 350)
+def test_dynamic_fuzz_programs_leave_readable_inputs(index):
+    from aotgrad import fuzz
+
+    out = fuzz.check_program(fuzz.with_dynamic(fuzz.generate(1, index)), explain_mismatch=False)
+    assert out.kind in ("matched", "refused"), out.message
