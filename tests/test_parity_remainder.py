@@ -502,3 +502,38 @@ def test_dynamic_fuzz_programs_leave_readable_inputs(index):
 
     out = fuzz.check_program(fuzz.with_dynamic(fuzz.generate(1, index)), explain_mismatch=False)
     assert out.kind in ("matched", "refused"), out.message
+
+
+# -- item 9: compiled autograd over a backward with a subclass in it ----------------------------
+
+
+@pytest.mark.parametrize("subclass_weight", [False, True])
+def test_compiled_autograd_over_backward_with_two_tensor(subclass_weight):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 2, requires_grad=True)
+    if subclass_weight:
+        w = TwoTensor(w.detach(), torch.randn(4, 2)).requires_grad_()
+    x = TwoTensor(torch.randn(3, 4), torch.randn(3, 4))
+
+    def train(x):
+        out = (x @ w).sin()
+        out.sum().backward()
+        return out
+
+    def step(fn):
+        w.grad = None
+        return fn(x), w.grad
+
+    expected = step(train)
+    torch._dynamo.reset()
+    compiled = torch.compile(train, backend="aotgrad_eager")
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        for _ in range(3):
+            out, grad = step(compiled)
+            assert type(grad) is TwoTensor  # eager's gradient type (x is a TwoTensor)
+            for got, ref in ((out, expected[0]), (grad, expected[1])):
+                torch.testing.assert_close(got.a, ref.a)
+                torch.testing.assert_close(got.b, ref.b)
+    torch._dynamo.reset()
