@@ -59,7 +59,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from . import cache, config
+from . import cache, config, precompile
 from .api import AOTConfig, _functional_call, _named_state, _plan_depends_on_aliasing, compile_signature
 from .backend_context import (
     BackendCompileError,
@@ -182,6 +182,8 @@ class AotgradBackend:
     # -- Dynamo entry point --------------------------------------------------------------------
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs) -> Callable:
+        if precompile.requested():  # aot_compile: a SerializableCallable (precompile.py)
+            return precompile.compile_graph(self, gm, list(example_inputs), **kwargs)
         chosen = self._with_compile_options(example_inputs, **kwargs)
         if config.explain_dir:  # one report per graph (explain_compile.py); never fails the compile
             from .explain_compile import explain_graph
@@ -293,7 +295,8 @@ class AotgradBackend:
                 "aotgrad backend: Dynamo passed nested (tuple/dict, or list of lists) graph inputs; only "
                 "flat tensor, SymInt and scalar inputs, and lists of them, are supported."
             )
-        probe = cache.probe(self, gm, example_inputs, _named_state(gm)[1])  # before passes change gm
+        # before passes change gm; while precompiling, the entry is kept for the saved file
+        probe = precompile.probe(self) or cache.probe(self, gm, example_inputs, _named_state(gm)[1])
         fakes = _fake_inputs(gm, example_inputs)
         if self.use_inductor and config.inductor_graph_passes:
             gm = _inductor_pre_grad_passes(gm, fakes)
