@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from . import config
+from . import cache_artifacts, config
 from .cache_key import FORMAT, Uncacheable, aotgrad_version, backend_key, digest, graph_key, torch_version
 from .cache_load import ArtifactMissing, rebuild
 from .cache_serialize import Recorder, dumps, loads, make_entry, on_compiled, with_backward
@@ -225,6 +225,7 @@ def _load(key: str):
         _STATS["misses"] += 1
         _warn_once(path, f"aotgrad cache: ignoring entry {path}: {e}; compiling again")
         return None
+    cache_artifacts.record(key, data)  # a job that loaded it passes it on (save_cache_artifacts)
     return entry
 
 
@@ -242,11 +243,21 @@ def _decode(data: bytes):
 
 
 def _store(key: str, entry, counter: str = "stores") -> None:
-    path = _path(key)
-    if not _dirs_safe(path, create=True):
-        return
     payload = dumps(entry)
     data = _MAGIC + _header() + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    if not write_entry(key, data):
+        return
+    cache_artifacts.record(key, data)
+    _STATS[counter] += 1
+    log.info("aotgrad cache: %s %s (%d bytes)", "stored" if counter == "stores" else "updated", key[:16], len(data))
+
+
+def write_entry(key: str, data: bytes) -> bool:
+    """Write an entry file atomically (a temporary name, then `os.replace`); False when the
+    folder is not safe to use. Also how torch's cache artifacts are loaded (cache_artifacts.py)."""
+    path = _path(key)
+    if not _dirs_safe(path, create=True):
+        return False
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".bin")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -258,8 +269,7 @@ def _store(key: str, entry, counter: str = "stores") -> None:
         except OSError:
             pass
         raise
-    _STATS[counter] += 1
-    log.info("aotgrad cache: %s %s (%d bytes)", "stored" if counter == "stores" else "updated", key[:16], len(data))
+    return True
 
 
 _warned: set[str] = set()
