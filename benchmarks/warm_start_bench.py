@@ -17,6 +17,17 @@ demo's first step does), and the training step (forward + backward) of each mode
     python benchmarks/warm_start_bench.py [--repeats 3] [--rows gpt2,mlp,transformer,cnn_bn,pointwise200]
 
 Target: warm aotgrad <= 0.8x upstream's warm time (medians), cold numbers beside it.
+
+Precompile (`--precompile-rows`, default gpt2; `--rows ''` runs only these): the model's loss forward is
+`aot_compile`d and saved (`save_compiled_function`) by one fresh process per backend, then loaded
+(`torch.compiler.load_compiled_function`) by `--repeats` fresh processes that run the first step (the
+AdamW step is compiled as usual, with the saving process's caches: Dynamo cannot `aot_compile` it, the
+optimizer's `_use_grad` breaks the graph). Measured in the same run: (1) aotgrad's first step via
+precompile against upstream's usual warm start (Inductor, its caches filled by a cold process),
+from process start, target <= 0.8x; (2) aotgrad's precompile load against upstream Inductor's
+(the `load_compiled_function` call), target <= 1.0x.
+
+    python benchmarks/warm_start_bench.py --rows '' --precompile-rows gpt2 --repeats 2
 """
 
 from __future__ import annotations
@@ -74,9 +85,47 @@ def child(backend: str, row: str) -> dict:
             "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}}
 
 
-def run_child(backend: str, row: str, cache_dir: str) -> dict | None:
+def precompile_child(mode: str, backend: str, row: str, folder: str) -> dict:
+    """`save`: aot_compile the model's forward, save it, run the first step. `load`: load it
+    (timed alone too) and run the first step. The AdamW step is compiled as usual (warm caches)."""
+    import torch
+    from harness import sum_outputs
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import backend_bench as bb
+
+    pristine, inputs = bb.all_models()[row]()
+    opt = None
+    if row == "gpt2":
+        opt = torch.optim.AdamW(pristine.parameters(), lr=torch.tensor(2e-3), weight_decay=0.1, betas=(0.9, 0.95))
+    path = os.path.join(folder, f"{row}.pt2c")
+    t0 = time.perf_counter()
+    load = None
+    if mode == "save":
+        step = torch.compile(pristine, fullgraph=True, backend=backend).forward.aot_compile((tuple(inputs), {}))
+        step.save_compiled_function(path, external_data={"model": pristine})
+    else:
+        with open(path, "rb") as f:
+            step = torch.compiler.load_compiled_function(f, external_data={"model": pristine})
+        load = time.perf_counter() - t0
+    # Dynamo traces the module's `_wrapped_call_impl(self, *args)` or, for some modules, a wrapper taking
+    # `*args`: the saved signature says whether the module is passed.
+    if "self" in step._artifacts.signature.parameters:
+        inputs = (pristine, *inputs)
+    loss = sum_outputs(step(*inputs))
+    loss.backward()
+    if opt is not None:
+        torch.compile(opt.step, backend=backend)()
+    end = time.perf_counter()
+    check = float(loss.detach()) + (float(sum(p.detach().sum() for p in pristine.parameters())) if opt else 0.0)
+    return {"seconds": end - t0, "process": end - PROCESS_START, "load": load, "check": check}
+
+
+def run_child(backend: str, row: str, cache_dir: str, precompile: tuple | None = None) -> dict | None:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "AOTGRAD_CACHE": "1"}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, row]
+    if precompile is not None:  # (mode, folder of the saved file)
+        cmd += ["--precompile", *precompile]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
         if line.startswith("{"):
@@ -114,23 +163,103 @@ def measure(row: str, repeats: int) -> dict:
     return out
 
 
+def measure_precompile(row: str, repeats: int) -> dict:
+    """Per backend a cache folder: a `save` process, then `repeats` `load` processes; and upstream's
+    usual warm start (a cold Inductor process, then `repeats` warm ones) in its own folder."""
+    folders = {b: tempfile.mkdtemp(prefix=f"precompile-{b}-") for b in (*BACKENDS, "usual")}
+    out: dict = {k: {"save": None, "runs": [], "checks": []} for k in (*BACKENDS, "usual")}
+    try:
+        for b in BACKENDS:
+            got = run_child(b, row, folders[b], ("save", folders[b]))
+            if got is not None:
+                out[b]["save"] = got["seconds"]
+                out[b]["checks"].append(got["check"])
+                print(f"  {row}: {b} aot_compile + save + first step {got['seconds']:.2f} s", flush=True)
+        got = run_child("inductor", row, folders["usual"])
+        if got is not None:
+            out["usual"]["save"] = got["seconds"]
+            out["usual"]["checks"].append(got["check"])
+            print(f"  {row}: inductor usual cold {got['seconds']:.2f} s", flush=True)
+        for rep in range(repeats):
+            order = (*BACKENDS, "usual") if rep % 2 == 0 else ("usual", *BACKENDS[::-1])
+            for k in order:
+                if k == "usual":
+                    got = run_child("inductor", row, folders["usual"])
+                else:
+                    got = run_child(k, row, folders[k], ("load", folders[k])) if out[k]["save"] is not None else None
+                if got is None:
+                    continue
+                out[k]["runs"].append(got)
+                out[k]["checks"].append(got["check"])
+                load = f", load {got['load']:.2f} s" if got.get("load") is not None else ""
+                print(f"  {row}: {k} {'usual warm start' if k == 'usual' else 'precompile load'} "
+                      f"{got['seconds']:.2f} s (process {got['process']:.2f} s{load})", flush=True)
+    finally:
+        for f in folders.values():
+            shutil.rmtree(f, ignore_errors=True)
+    return out
+
+
+def precompile_table(rows: list[str], repeats: int) -> bool:
+    from harness import fmt_ratio, table
+
+    table_rows, verdict = [], True
+    for row in rows:
+        res = measure_precompile(row, repeats)
+        a, i, u = res["aotgrad"], res["inductor"], res["usual"]
+        if not a["runs"] or not i["runs"] or not u["runs"]:
+            table_rows.append([row] + ["-"] * 9 + ["failed"])
+            verdict = False
+            continue
+
+        def med(side, what):
+            return statistics.median(r[what] for r in side["runs"])
+
+        pa, pu, pi = med(a, "process"), med(u, "process"), med(i, "process")
+        la, li = med(a, "load"), med(i, "load")
+        same = all(abs(c - a["checks"][0]) <= 1e-6 * max(1.0, abs(c)) for c in a["checks"])
+        verdict &= pa / pu <= TARGET and la / li <= 1.0 and same
+        table_rows.append([row, f"{pa:.1f}", f"{pu:.1f}", fmt_ratio(pa / pu), f"{pi:.1f}", f"{la:.2f}", f"{li:.2f}",
+                           fmt_ratio(la / li), f"{a['save']:.1f}", f"{i['save']:.1f}",
+                           "ok" if same else "aotgrad loaded result differs from its cold run"])
+    print()
+    print(f"== precompile: first step in a fresh process that loads the aot_compiled model (median of {repeats}, s, "
+          "from process start) vs upstream's usual warm start; load = load_compiled_function alone ==")
+    print(table(["row", "aotgrad precompile", "inductor usual warm", "ratio", "inductor precompile", "aotgrad load",
+                 "inductor load", "load ratio", "aotgrad save", "inductor save", "check"], table_rows, "lrrrrrrrrrl"))
+    print(f"targets: first step <= {TARGET}x upstream's usual warm start, load <= 1.0x Inductor's: "
+          f"{'PASS' if verdict else 'FAIL'}")
+    return verdict
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="warm fresh-process runs per backend and row (default 3)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--precompile-rows", default="gpt2",
+                   help="rows measured through aot_compile / load_compiled_function ('' for none; default gpt2)")
     p.add_argument("--child", nargs=2, metavar=("BACKEND", "ROW"), help=argparse.SUPPRESS)
+    p.add_argument("--precompile", nargs=2, metavar=("MODE", "FOLDER"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         import warnings
 
         warnings.filterwarnings("ignore")
-        print(json.dumps(child(*args.child)))
+        result = precompile_child(args.precompile[0], *args.child, args.precompile[1]) if args.precompile else \
+            child(*args.child)
+        print(json.dumps(result))
         return 0
     rows = [r for r in args.rows.split(",") if r]
+    precompile_rows = [r for r in args.precompile_rows.split(",") if r]
     try:
         import transformers  # noqa: F401
     except ImportError:
         rows = [r for r in rows if r != "gpt2"]
+        precompile_rows = [r for r in precompile_rows if r != "gpt2"]
+    if precompile_rows:
+        precompile_table(precompile_rows, args.repeats)
+    if not rows:
+        return 0
     from harness import fmt_ratio, table
 
     table_rows, verdict = [], True
