@@ -296,6 +296,55 @@ def test_subclass_input_refused_at_aot_compile():
     _refused_at_aot_compile(energy, (a, torch.randn(3, 3)), "aotgrad_eager", "subclasses are not cached")
 
 
+def keyed_compiler(gm, example_inputs):
+    """A user compiler that opts into saving (module level: pickled by name)."""
+    return gm
+
+
+keyed_compiler.aotgrad_cache_key = "tests.keyed_compiler v1"
+
+
+def _round_trip_in_process(backend, tmp_path) -> None:
+    """aot_compile, save, load (this process), and compare a training step with eager's."""
+    a, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    compiled = torch.compile(energy, fullgraph=True, backend=backend).aot_compile(((a, w), {}))
+    path = str(tmp_path / "energy.bin")
+    compiled.save_compiled_function(path)
+    with open(path, "rb") as f:
+        loaded = torch.compiler.load_compiled_function(f)
+    results = []
+    for fn in (energy, compiled, loaded):
+        a2, w2 = a.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        out = fn(a2, w2)
+        out.backward()
+        results.append((out.detach(), a2.grad, w2.grad))
+    for got in results[1:]:
+        for x, y in zip(got, results[0]):
+            torch.testing.assert_close(x, y)
+    for x, y in zip(results[1], results[2]):
+        assert torch.equal(x, y)
+
+
+def test_user_compiler_with_key_round_trip(tmp_path):
+    _round_trip_in_process(aotgrad.backend(fw_compiler=keyed_compiler, bw_compiler=keyed_compiler), tmp_path)
+
+
+def test_backend_with_options_round_trip(tmp_path, monkeypatch):
+    """`aotgrad.backend(...)` with Inductor and a memory budget: its partitioner and patches travel."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    _round_trip_in_process(aotgrad.backend(memory_budget=0.5), tmp_path)
+
+
+def test_local_compiler_refused_at_aot_compile():
+    def local(gm, example_inputs):
+        return gm
+
+    local.aotgrad_cache_key = "local v1"
+    backend = aotgrad.backend(fw_compiler=local, bw_compiler=local)
+    _refused_at_aot_compile(energy, (torch.randn(4, 3, requires_grad=True), torch.randn(3, 3)), backend,
+                            "cannot be pickled by name")
+
+
 def test_plain_torch_compile_unchanged():
     """Outside aot_compile the backend still returns its plain function (no wrapper per call)."""
     from aotgrad.precompile import PrecompiledGraph
