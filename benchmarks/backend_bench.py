@@ -68,6 +68,18 @@ class GPT2Loss(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
+class NanoGPTLoss(nn.Module):
+    """GPT2Loss over examples/nanogpt.py's plain-torch model (which returns the logits itself)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
 def make_gpt2(seed: int = 0):
     import train_gpt2
 

@@ -59,7 +59,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from . import cache, config, precompile
+from . import cache, cache_artifacts, config, precompile  # noqa: F401 (cache_artifacts: registers itself)
 from .api import AOTConfig, _functional_call, _named_state, _plan_depends_on_aliasing, compile_signature
 from .backend_context import (
     BackendCompileError,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from . import cache_artifacts, config
+from . import config
 from .cache_key import FORMAT, Uncacheable, aotgrad_version, backend_key, digest, graph_key, torch_version
 from .cache_load import ArtifactMissing, rebuild
 from .cache_serialize import Recorder, dumps, loads, make_entry, on_compiled, with_backward
@@ -38,6 +38,9 @@ from .cache_serialize import Recorder, dumps, loads, make_entry, on_compiled, wi
 log = logging.getLogger("aotgrad.cache")
 
 _MAGIC = b"AOTGRAD-CACHE\n"
+# Called with (key, file bytes) for each entry written or read: cache_artifacts.py records them in
+# torch's portable cache artifacts.
+entry_hooks: list[Callable[[str, bytes], None]] = []
 _STATS = {"hits": 0, "misses": 0, "uncacheable": 0, "stores": 0, "updates": 0, "corrupt": 0}
 
 
@@ -225,7 +228,8 @@ def _load(key: str):
         _STATS["misses"] += 1
         _warn_once(path, f"aotgrad cache: ignoring entry {path}: {e}; compiling again")
         return None
-    cache_artifacts.record(key, data)  # a job that loaded it passes it on (save_cache_artifacts)
+    for hook in entry_hooks:  # a job that loaded it passes it on (save_cache_artifacts)
+        hook(key, data)
     return entry
 
 
@@ -247,7 +251,8 @@ def _store(key: str, entry, counter: str = "stores") -> None:
     data = _MAGIC + _header() + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
     if not write_entry(key, data):
         return
-    cache_artifacts.record(key, data)
+    for hook in entry_hooks:
+        hook(key, data)
     _STATS[counter] += 1
     log.info("aotgrad cache: %s %s (%d bytes)", "stored" if counter == "stores" else "updated", key[:16], len(data))
 

@@ -6,7 +6,7 @@
     torch.compiler.load_cache_artifacts(artifacts)              # writes the entries into the caches
     torch.compile(model, backend="aotgrad")(x)                  # aotgrad cache hits, Inductor FX-graph hits
 
-Each entry aotgrad's on-disk cache writes or reads (cache.py) is recorded with torch's
+Each entry aotgrad's on-disk cache writes or reads (cache.py, through its `entry_hooks`) is recorded with torch's
 `CacheArtifactManager` under its key, as the file's bytes (header, versions, SHA-256 and payload), as
 Inductor records its FX-graph entries. Loading them writes the files into this process's aotgrad cache
 folder; each is checked as any entry is when it is read (a file of another version or a damaged one is
@@ -21,6 +21,8 @@ import re
 
 from torch.compiler._cache import CacheArtifact, CacheArtifactFactory, CacheArtifactManager
 
+from . import cache
+
 log = logging.getLogger("aotgrad.cache")
 
 _TYPE = "aotgrad"
@@ -31,12 +33,10 @@ class AotgradCacheArtifact(CacheArtifact):
     """One aotgrad cache entry file, as torch's mega-cache carries it."""
 
     def populate_cache(self) -> None:
-        from .cache import write_entry
-
         if not _KEY.fullmatch(self.key):
             log.warning("aotgrad cache: ignoring a cache artifact with a malformed key %r", self.key[:80])
             return
-        write_entry(self.key, self.content)
+        cache.write_entry(self.key, self.content)
 
     @staticmethod
     def type() -> str:
@@ -50,3 +50,7 @@ if _TYPE not in CacheArtifactFactory._artifact_types:  # registered once per pro
 def record(key: str, data: bytes) -> None:
     """Put an entry's file into what `torch.compiler.save_cache_artifacts()` returns."""
     CacheArtifactManager.record_artifact(_TYPE, key, data)
+
+
+if record not in cache.entry_hooks:
+    cache.entry_hooks.append(record)

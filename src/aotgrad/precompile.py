@@ -297,7 +297,6 @@ class PrecompiledGraph(SerializableCallable):
 
 def load(data: bytes) -> Callable:
     """The compiled graph saved in `data`, its run time rebuilt without tracing or compiling."""
-    from .backend import _bind_state, _no_dynamo
     from .cache_load import ArtifactMissing, rebuild
     from .cache_serialize import loads
     from .dynamic_shapes import compile_context
@@ -317,7 +316,7 @@ def load(data: bytes) -> Callable:
         run = InputsChecked(run, leaves, _other_inputs, check_sizes=saved.check_sizes,
                             check_aliasing=saved.check_aliasing, sizes_fixed=saved.sizes_fixed)
     log.info("aotgrad precompile: loaded a %s graph", "training" if entry.training else "inference")
-    return _no_dynamo(_bind_state(run, []))
+    return torch._dynamo.disable(lambda *args: run(args), reason="aotgrad: compiled graph")  # as backend's
 
 
 def _other_inputs() -> Callable:
