@@ -208,10 +208,6 @@ def _describe(x: Any) -> tuple:
     raise _refuse(f"an input of type {type(x).__name__}")
 
 
-def entry_uses_inductor(entry: Any) -> bool:
-    return entry.forward.inductor_key is not None
-
-
 def _inductor_files(entry: Any) -> dict:
     """The bytes of Inductor's FX-graph cache entries behind the entry's keys (usually one file
     per key), so a load does not depend on this machine's Inductor cache."""
@@ -221,7 +217,7 @@ def _inductor_files(entry: Any) -> dict:
     for rec in (entry.forward, entry.backward):
         key = getattr(rec, "inductor_key", None)
         if key is None:
-            if rec is not None and entry_uses_inductor(entry):
+            if rec is not None and entry.forward.inductor_key is not None:  # Inductor compiled, did not cache
                 log.info("aotgrad precompile: a graph Inductor did not cache is saved as a graph; a load compiles it")
             continue
         folder = FxGraphCache._get_tmp_dir_for_key(key)
@@ -298,7 +294,6 @@ class PrecompiledGraph(SerializableCallable):
 def load(data: bytes) -> Callable:
     """The compiled graph saved in `data`, its run time rebuilt without tracing or compiling."""
     from .cache_load import ArtifactMissing, rebuild
-    from .cache_serialize import loads
     from .dynamic_shapes import compile_context
     from .input_checks import InputsChecked
 
@@ -306,7 +301,7 @@ def load(data: bytes) -> Callable:
     _restore_inductor_files(saved.inductor_files)
     backend = saved.backend
     leaves = _fakes(saved.leaves)
-    entry = saved.entry if not isinstance(saved.entry, bytes) else loads(saved.entry)
+    entry = saved.entry
     try:
         with backend._inductor_patches(), compile_context(leaves):
             run = rebuild(entry, leaves, backend._aot_config(False), backend, lambda artifact: None)
