@@ -124,3 +124,22 @@ def counting_compiler(compiler=None):
 
     c.calls = calls
     return c
+
+
+def assert_grads_close(eager: nn.Module, compiled: nn.Module, *, rtol: float = 1e-3, rel_atol: float = 1e-4,
+                       floor: float = 1e-6) -> None:
+    """Every parameter's gradient against eager's, each at its own tolerance: `rtol`, and an absolute
+    tolerance of `rel_atol` times that parameter's largest eager gradient, so a parameter with small
+    gradients is held to its own scale, not the model's. The absolute tolerance never drops below
+    `floor` times the model's largest gradient: a gradient that is zero in exact arithmetic (a conv
+    bias before BatchNorm) is float32 rounding noise (about 1e-8 here) in eager and compiled alike.
+    A gradient eager leaves None must be None."""
+    named = list(eager.named_parameters())
+    model_scale = max((p.grad.abs().max().item() for _, p in named if p.grad is not None), default=0.0)
+    for (name, p), q in zip(named, compiled.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is None:
+            continue
+        atol = max(rel_atol * p.grad.abs().max().item(), floor * model_scale, 1e-12)
+        torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
