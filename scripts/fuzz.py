@@ -68,8 +68,10 @@ def main(argv=None) -> int:
             check_program = functools.partial(fuzz_order2.check_program,
                                               wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
 
+    repro = {"subclass": args.subclass, "order": args.order}  # reproducers run as this run checks
+
     if args.show is not None:
-        print(fuzz.generate(args.seed, args.show).reproducer())
+        print(fuzz.generate(args.seed, args.show).reproducer(backend=args.backend, **repro))
         return 0
     if args.only is not None:
         prog = fuzz.generate(args.seed, args.only)
@@ -79,11 +81,11 @@ def main(argv=None) -> int:
             if not args.no_shrink:
                 prog = fuzz.shrink(prog, out, still_fails=lambda p: check_program(
                     p, backend=args.backend).same_failure(out))
-            print(prog.reproducer(out.message.splitlines()[0] if out.message else "", args.backend))
+            print(prog.reproducer(out.message.splitlines()[0] if out.message else "", args.backend, **repro))
             if out.detail:
                 print(out.detail)
             return 1
-        print(prog.reproducer(backend=args.backend))
+        print(prog.reproducer(backend=args.backend, **repro))
         return 0
 
     t0 = time.time()
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
         progress=None if args.quiet else fuzz.Progress(args.n),
         backend=args.backend,
         check_fn=check_program,
+        reproducer_options=repro,
     )
     print(summary.report(top=args.top))
     own = len(summary.failures)

@@ -69,12 +69,14 @@ def run(
     start: int = 0,
     backend: str | None = None,
     check_fn: Callable | None = None,
+    reproducer_options: dict | None = None,
 ) -> Summary:
     """Generate and check programs `start .. start+n-1` of run `seed` (through `torch.compile` with
     `backend`, if given).
 
     Crashes and mismatches are shrunk (at most `shrink_per_key` per distinct failure message; the
-    others are written as generated) and written to `out_dir` (None: keep them in the summary only).
+    others are written as generated) and written to `out_dir` (None: keep them in the summary only),
+    with `reproducer_options` (Program.reproducer's `subclass`, `order`: what `check_fn` checks).
     """
     summary = Summary(seed)
     shrunk_keys: Counter = Counter()
@@ -90,7 +92,7 @@ def run(
                 fail.shrunk = shrink(prog, out, still_fails=lambda p, out=out: check(p).same_failure(out))
                 fail.shrunk_outcome = check(fail.shrunk)
             if out_dir is not None:
-                fail.path = write_reproducer(fail, seed, out_dir, backend)
+                fail.path = write_reproducer(fail, seed, out_dir, backend, **(reproducer_options or {}))
         if progress is not None:
             progress.update(k + 1, summary)
     return summary

@@ -92,6 +92,12 @@ def _close_float32(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
                                msg=lambda m: f"{what}: {m}")
 
 
+def check_second_order(f: Callable, make_inputs: Callable, compiled: Callable) -> None:
+    """One compiled call's outputs, first and second gradients against eager's (AssertionError if
+    they differ): the check `check_program` makes, for a reproducer to run."""
+    _compare(second_order(f, make_inputs), second_order(compiled, make_inputs))
+
+
 class _Mismatch(Exception):
     pass
 

@@ -88,18 +88,35 @@ class Program:
     def n_statements(self) -> int:
         return sum(_count(s) for s in self.body)
 
-    def reproducer(self, header: str = "", backend: str | None = None) -> str:
+    def reproducer(self, header: str = "", backend: str | None = None, *, subclass: bool = False,
+                   order: int = 1) -> str:
+        """A standalone script that runs this program as the fuzzer checked it: the same compile
+        (`aot_function` options, or `torch.compile` with `backend`), the same input wrapping
+        (`subclass`: every floating tensor `make_inputs` creates a TwoTensor, fuzz_subclass.py) and
+        the same check (`order` 2: first and second gradients, fuzz_order2.py); it prints "matches
+        eager" only if that check passes."""
         kw = "".join(f", {k}={v!r}" for k, v in self.config)
         comment = "".join(f"# {line}\n" for line in header.splitlines())
         make = f"torch.compile(f, backend={backend!r})" if backend else f"aot_function(f, nop{kw})"
+        imports = "from aotgrad import aot_function, nop\n"
+        if order == 2:
+            imports += "from aotgrad.fuzz_order2 import check_second_order\n"
+            check = "check_second_order(f, make_inputs, compiled)"
+        else:
+            imports += "from aotgrad.testing import check_against_eager\n"
+            check = "check_against_eager(f, make_inputs, compiled=compiled)"
+        wrap = ""
+        if subclass:
+            imports += "from aotgrad.fuzz_subclass import with_two_tensor_inputs\n"
+            wrap = "    make_inputs = with_two_tensor_inputs(make_inputs)  # floating inputs are TwoTensors, as in the run\n"
         return (
-            f"{comment}import torch\n\nfrom aotgrad import aot_function, nop\n"
-            "from aotgrad.testing import check_against_eager\n\n\n"
+            f"{comment}import torch\n\n{imports}\n\n"
             f"{self.source()}\n\n"
             'if __name__ == "__main__":\n'
+            f"{wrap}"
             f"    compiled = {make}\n"
             "    for _ in range(2):  # the second call takes the cached fast path\n"
-            "        check_against_eager(f, make_inputs, compiled=compiled)\n"
+            f"        {check}\n"
             '    print("matches eager")\n'
         )
 

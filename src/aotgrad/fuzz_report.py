@@ -70,7 +70,9 @@ class Summary:
         return "\n".join(lines)
 
 
-def write_reproducer(fail: Failure, seed: int, out_dir: str, backend: str | None = None) -> str:
+def write_reproducer(fail: Failure, seed: int, out_dir: str, backend: str | None = None, **options) -> str:
+    """Write `fail`'s (shrunk) program as a standalone script; `options` (Program.reproducer's
+    `subclass`, `order`) make it run as the fuzzer ran it."""
     os.makedirs(out_dir, exist_ok=True)
     prog = fail.shrunk or fail.program
     out = fail.shrunk_outcome if fail.shrunk_outcome is not None else fail.outcome
@@ -84,7 +86,7 @@ def write_reproducer(fail: Failure, seed: int, out_dir: str, backend: str | None
         + "".join(f"\nat {w}" for w in _where(out.detail))
     )
     with open(path, "w") as fh:
-        fh.write(prog.reproducer(header, backend))
+        fh.write(prog.reproducer(header, backend, **options))
     return path
 
 
