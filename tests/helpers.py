@@ -143,3 +143,35 @@ def assert_grads_close(eager: nn.Module, compiled: nn.Module, *, rtol: float = 1
         atol = max(rel_atol * p.grad.abs().max().item(), floor * model_scale, 1e-12)
         torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def refusal_reason(key: str, width: int = 60) -> str:
+    """A fuzz refusal's key (`Type: aotgrad: message`, numbers normalised) cut to its error type and
+    the start of its reason: the unit a fuzz gate's refusal budget counts."""
+    kind, _, msg = key.partition(": ")
+    return f"{kind}: {msg.removeprefix('aotgrad: ')[:width]}"
+
+
+def assert_fuzz_gate(summary, mode: str, budgets: dict[str, int], total: int | None = None) -> None:
+    """A fuzz gate: no crash, no mismatch, and refusals within their budget, printed with the result.
+
+    `budgets` maps each accepted refusal (refusal_reason: error type and the start of its reason) to
+    the most programs it may refuse: the counts measured when the budget was set, so they can only
+    fall. A refusal not in `budgets` fails the gate. `total` (runs too long to measure per reason):
+    the most refusals in all, any reason."""
+    seen: dict[str, int] = {}
+    for key, count in summary.refused.items():
+        seen[refusal_reason(key)] = seen.get(refusal_reason(key), 0) + count
+    refused, checked = summary.counts["refused"], sum(summary.counts.values())
+    over = {r: (c, budgets.get(r, 0)) for r, c in seen.items() if total is None and c > budgets.get(r, 0)}
+    line = (f"fuzz gate [{mode}], seed {summary.seed}, {summary.n} programs: {checked} checked, "
+            f"{summary.counts['matched']} matched, {refused} refused ({100 * refused / max(checked, 1):.1f}%), "
+            f"budget {total if total is not None else sum(budgets.values())}; "
+            f"crashed {summary.counts['crashed']}, mismatched {summary.counts['mismatched']}")
+    print(line)
+    print(summary.report())
+    assert summary.counts["mismatched"] == 0 and summary.counts["crashed"] == 0, line + "\n" + summary.report()
+    assert not over, line + "\nrefusals over their budget (seen, budget):\n" + "\n".join(
+        f"  {c} > {b}  {r}" for r, (c, b) in sorted(over.items()))
+    if total is not None:
+        assert refused <= total, line
