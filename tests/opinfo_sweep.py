@@ -470,6 +470,12 @@ def summarize(results: dict[str, dict[str, OpResult]]) -> Summary:
     return Summary(len(results), tested, passed, regressions, improvements)
 
 
+def upstream_passes_aotgrad_does_not(results: dict[str, dict[str, OpResult]]) -> dict[str, OpResult]:
+    """Op by op: the ops upstream passes and aotgrad fails, errors on or skips (aotgrad's result)."""
+    return {name: r["aotgrad"] for name, r in results.items()
+            if r["upstream"].status == "pass" and r["aotgrad"].status != "pass"}
+
+
 def _group(items: list) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name, res in items:
