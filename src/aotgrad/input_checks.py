@@ -11,7 +11,7 @@ things a compiled plan depends on can change behind its guards:
   memory is wrong for a call whose inputs do: a write to one must show in the other. By what held
   at compile time: inputs aliased then (rare), the same aliasing now (`alias_key`); no overlap then
   and sizes fixed by one of the checks above, the tensors' byte ranges are disjoint, in one C++
-  call built in the background (`_disjoint_ranges_kernel`, 2.8 us); otherwise, or until that is
+  call built with the graph (`_disjoint_ranges_kernel`, 2.8 us); otherwise, or where it cannot be
   built, distinct storages, in Python (29 us for the same tensors, 50-60 us when they come cold
   from a training step).
 
@@ -179,11 +179,14 @@ def _disjoint_ranges_kernel(n: int) -> concurrent.futures.Future:
 
     It is C++ because reading a few hundred data pointers from Python costs more (14 us) than the
     whole check in C++ (2.8 us). Inductor's toolchain builds it (`CppPythonBindingsCodeCache`, which
-    reads a tensor's data pointer in C++ without torch's headers) in a background thread: a second
-    or two of compiler time that must not add to the compile; until it is ready, calls run the
-    storage check. Inductor caches the library on disk: later runs load it at once. The thread is
-    not a daemon: a script that ends during a build waits for it (a daemon thread stopped at exit
-    inside torch's C++ aborts the process).
+    reads a tensor's data pointer in C++ without torch's headers): a second or two of compiler
+    time, once per number of tensors, loaded from Inductor's disk cache at once in later runs.
+    The build is part of the compile (the caller waits for it): built in the background, it ran on
+    the user's first training steps instead (on 2 cores, `make demo-distributed`'s DDP steps were
+    2x slower for its first 20 steps, issue 40). It runs in its own thread, outside whatever modes
+    the compiling thread has on (its self-test makes real tensors); that thread is not a daemon: a
+    script that ends during a build waits for it (a daemon thread stopped at exit inside torch's
+    C++ aborts the process).
     """
     future = _builds.get(n)
     if future is None:
@@ -197,11 +200,13 @@ def _disjoint_ranges_kernel(n: int) -> concurrent.futures.Future:
             future.set_result(kernel)
 
         threading.Thread(target=build, name=f"aotgrad-overlap-check-{n}", daemon=False).start()
+    concurrent.futures.wait([future])
     return future
 
 
 def wait_for_builds() -> None:
-    """Wait until the background builds have finished (benchmarks, tests)."""
+    """Wait until the overlap-check builds have finished (each compile waits for its own already;
+    kept for benchmarks and tests that check nothing is left running)."""
     concurrent.futures.wait(list(_builds.values()))
 
 
