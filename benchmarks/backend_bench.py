@@ -159,7 +159,7 @@ def _cold():
     torch._dynamo.reset()
     with fresh_cache(), inductor_config.patch(force_disable_caches=True):
         yield
-        input_checks.wait_for_builds()  # aotgrad's background build, in the cache it started in
+        input_checks.wait_for_builds()  # nothing left: aotgrad's compile waits for its overlap-check build
 
 
 def cold_compile(backend: str, pristine: nn.Module, inputs: tuple, ref_state: dict) -> Side:
@@ -286,7 +286,7 @@ def _time_steps(runs: dict[str, Callable[[], None]], sides: dict[str, Side], sec
     row in one process: the ratio of the medians of interleaved single steps read 0.980-0.990;
     the 0.2 s samples taken in turns before read 0.950-1.004 (ratio of medians) and 0.961-0.995
     (ratio of the fastest samples).
-    aotgrad's run-time alias check is built in the background; no timing starts before it is."""
+    aotgrad's run-time overlap check is built inside its compile; nothing is left running here."""
     from aotgrad import input_checks
 
     input_checks.wait_for_builds()

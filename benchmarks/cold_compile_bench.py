@@ -4,7 +4,9 @@ backend_bench.py measures cold compiles one after the other in one process; ther
 depends on what the process compiled before (measured: +-25% for the same graph, whichever backend
 went second). Here every compile runs in its own new Python process, which is also how a training
 job meets it: imports, an untimed warm-up compile (one-time process costs), then one cold compile
-(empty Inductor cache, caches off) timed. Backends alternate which goes first in each repeat.
+(empty Inductor cache, caches off) timed until the compiled step returns with no work of either
+backend left running; its result is checked against eager (a mismatch is reported, not timed).
+Backends alternate which goes first in each repeat.
 
 Two stack modes, each its own table. `as-called`: the compile is called as a training script
 calls it; this is what users get. `roomy`: the whole timed compile, for both backends, runs on a
@@ -50,11 +52,14 @@ DEFAULT_ROWS = ("gpt2", "adamw")
 STACKS = ("as-called", "roomy")
 
 
-def child(backend: str, row: str, stack: str = "as-called") -> float:
-    """One cold compile in this (fresh) process; seconds."""
+def child(backend: str, row: str, stack: str = "as-called") -> dict:
+    """One cold compile in this (fresh) process: {"seconds", "mismatch"}. The timer stops when the
+    compiled step has returned, with nothing of either backend still running (aotgrad's overlap
+    check is built inside its compile, input_checks.py); its result is then checked against the
+    same step run eagerly (`mismatch`: None, or what differs)."""
     import backend_bench as bb
     import torch
-    from harness import sum_outputs
+    from harness import compare, state_of, sum_outputs
 
     from aotgrad.interpreter_stack import on_roomy_stack
 
@@ -62,21 +67,34 @@ def child(backend: str, row: str, stack: str = "as-called") -> float:
     pristine, inputs = bb.all_models()["gpt2" if row == "adamw" else row]()
     if row != "adamw":
         mod, inp = copy.deepcopy(pristine), bb._clone_inputs(inputs)
+        ref_mod, ref_inp = copy.deepcopy(pristine), bb._clone_inputs(inputs)
+        sum_outputs(ref_mod(*ref_inp)).backward()
+        expected = state_of(ref_mod, ref_inp)
 
         def compile_once():
             sum_outputs(torch.compile(mod, backend=backend)(*inp)).backward()
+
+        def result():
+            return state_of(mod, inp)
     else:
-        _, opt = bb._adamw_setup(pristine)
+        mod, opt = bb._adamw_setup(pristine)
+        ref_mod, ref_opt = bb._adamw_setup(pristine)
+        ref_opt.step()
+        expected = dict(ref_mod.named_parameters())
 
         def compile_once():
             torch.compile(opt.step, backend=backend)()
+
+        def result():
+            return dict(mod.named_parameters())
     with bb._cold():
         t0 = time.perf_counter()
         if stack == "roomy":
             on_roomy_stack(compile_once)
         else:
             compile_once()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "mismatch": compare(expected, result(), rtol=1e-3, atol=1e-4)}
 
 
 def run_child(backend: str, row: str, stack: str) -> float | None:
@@ -84,7 +102,11 @@ def run_child(backend: str, row: str, stack: str) -> float | None:
     done = subprocess.run(cmd, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("{"):
-            return json.loads(line)["seconds"]
+            res = json.loads(line)
+            if res["mismatch"] is not None:  # a compile whose step gives another result is not timed
+                print(f"    {backend} {row}: result differs from eager: {res['mismatch']}")
+                return None
+            return res["seconds"]
     print(f"    {backend} {row}: failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     return None
 
@@ -125,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", nargs=3, metavar=("BACKEND", "ROW", "STACK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps({"seconds": child(*args.child)}))
+        print(json.dumps(child(*args.child)))
         return 0
     try:
         import transformers  # noqa: F401
