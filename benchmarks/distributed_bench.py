@@ -8,7 +8,9 @@ step), so both see the same machine. Reported per strategy: median step time (st
 first 3; a step ends with the ranks' loss all-reduce) and the ratio aotgrad/inductor (target
 <= 1.0x), compile time (first step minus the median), and activation memory per rank: bytes saved
 for the backward in one forward on rank 0 (distinct storages, parameters and the batch left out);
-on CUDA also the peak allocated during that forward.
+on CUDA also the peak allocated during that forward. An eager run of the same strategy steps
+alongside (not timed against): each compiled variant's losses (per step, mean over ranks) are
+compared with eager's, and with each other.
 """
 
 from __future__ import annotations
@@ -42,22 +44,31 @@ def _mb(v) -> str:
     return "-" if v is None else f"{v / 2**20:.2f}"
 
 
+def _loss_diff(run: dict, eager: dict) -> float:
+    """The largest difference between a run's losses (mean over ranks, per step) and eager's."""
+    return max(abs(x - y) for x, y in zip(run["losses"], eager["losses"], strict=True))
+
+
 def report(res: dict) -> list[str]:
     if "error" in res:
         print(f"distributed benchmark FAILED: {res['error']}")
         return [f"scale-out: FAILED ({res['error'][:80]})"]
     print(f"\n== Scale-out: GPT-2 on {res['world']} ranks ({res['device']}), {res['steps']} steps taking turns ==")
     headers = ["strategy", "aotgrad step ms", "inductor step ms", "ratio", "aotgrad compile s",
-               "inductor compile s", "saved act MB/rank a|i", "peak MB/rank a|i"]
+               "inductor compile s", "saved act MB/rank a|i", "peak MB/rank a|i",
+               "max |loss - eager's| a|i", "losses a=i"]
     rows, lines = [], []
     for strategy, r in res["results"].items():
-        a, i = r["aotgrad"], r["inductor"]
+        a, i, e = r["aotgrad"], r["inductor"], r["eager"]
         ratio = a["median_step_s"] / i["median_step_s"]
+        da, di = _loss_diff(a, e), _loss_diff(i, e)
         rows.append([strategy, f"{a['median_step_s'] * 1e3:.1f}", f"{i['median_step_s'] * 1e3:.1f}",
                      f"{ratio:.2f}x", f"{a['compile_s']:.1f}", f"{i['compile_s']:.1f}",
                      f"{_mb(a['saved_bytes'])} | {_mb(i['saved_bytes'])}",
-                     f"{_mb(a['peak_bytes'])} | {_mb(i['peak_bytes'])}"])
-        lines.append(f"scale-out {strategy}: step time aotgrad/inductor {ratio:.2f}x (target <= 1.0x)")
+                     f"{_mb(a['peak_bytes'])} | {_mb(i['peak_bytes'])}",
+                     f"{da:.1e} | {di:.1e}", "identical" if a["losses"] == i["losses"] else "differ"])
+        lines.append(f"scale-out {strategy}: step time aotgrad/inductor {ratio:.2f}x (target <= 1.0x); "
+                     f"losses over {len(e['losses'])} steps within {da:.1e} of eager's (inductor {di:.1e})")
         if a.get("note"):
             print(f"   note: {a['note']}")
     widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(headers)]
@@ -73,7 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args, extra = p.parse_known_args(argv)
     res = run(args.steps, extra, log=lambda m: print(m, file=sys.stderr, flush=True))
-    report(res)
+    for line in report(res):
+        print(line)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -163,12 +163,13 @@ def train_strategy(strategy: str, args, device, batches, rank: int) -> dict:
 
 
 def bench_strategy(strategy: str, args, device, batches) -> dict:
-    """aotgrad and inductor built side by side, taking turns one step each (another first each step)."""
+    """aotgrad and inductor built side by side, taking turns one step each (another first each step),
+    with an eager run of the same strategy alongside (its losses are the reference)."""
     torch._dynamo.reset()
-    runs = [Run(strategy, v, args, device, batches) for v in ("aotgrad", "inductor")]
+    runs = [Run(strategy, v, args, device, batches) for v in ("aotgrad", "inductor", "eager")]
     for i in range(args.steps):
-        order = runs if i % 2 == 0 else runs[::-1]
-        for r in order:
+        order = runs[:2] if i % 2 == 0 else runs[1::-1]
+        for r in order + runs[2:]:
             r.step(i)
     out = {}
     for r in runs:
