@@ -109,3 +109,24 @@ def test_second_order_reproducer_fails_on_a_wrong_second_gradient(monkeypatch, o
     monkeypatch.setattr(aotgrad, "aot_function", doubled_grad)
     result = _run_reproducer(_prog().reproducer(order=order))
     assert (result == "matches eager") == (order == 1), result
+
+
+def test_repeated_plain_argument_whose_gradient_is_a_subclass():
+    """`scripts/fuzz.py --subclass --seed 77`, program 1077 (shrunk): a plain argument passed twice,
+    whose gradient is a TwoTensor (it meets a closed-over one), crashed in TwoTensor's constructor:
+    the second copy's plain tensors were not counted (subclass_wrap.Boundary.of)."""
+    from aotgrad.testing import check_against_eager
+
+    g = torch.Generator().manual_seed(0)
+    w = TwoTensor(torch.randn((), generator=g), torch.randn((), generator=g))
+
+    def f(a0, a1):
+        return (a1 * a0 * w,)
+
+    def make_inputs():
+        r0 = torch.randn(3, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        return (r0,), (r0, r0)
+
+    compiled = aotgrad.aot_function(f, aotgrad.nop)
+    for _ in range(2):
+        check_against_eager(f, make_inputs, compiled=compiled)

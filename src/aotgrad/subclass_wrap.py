@@ -286,7 +286,7 @@ class Boundary:
             if isinstance(x, torch.Tensor):
                 first[i] = seen.setdefault(id(x), i)
             n = 1 if lay is None else lay.num_plain
-            if i in spread_sites and first[i] == i:
+            if i in spread_sites:  # a repeated argument too: each is spread on its own, as the prologue does
                 n = spread_sites[i].layout.num_plain
             layouts.append(lay)
             ranges.append((pos, pos + n))
