@@ -7,7 +7,7 @@ N ?= 2000
 SEED ?= 0
 ORDER ?= 1
 
-.PHONY: install browser demo demo-small demo-distributed test test-long bench lint fuzz explain-demo clean
+.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu lint fuzz explain-demo clean
 
 install: $(VENV)/.installed browser
 
@@ -44,6 +44,17 @@ test-long: install
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# GPU training suite (issue 41, benchmarks/gpu_suite.py): aotgrad vs Inductor on GPT-2, BERT, Llama, T5,
+# ResNet-50, ViT and the small GPT-2 under reduce-overhead, bf16 autocast. Runs with the GPU machine's
+# own python and torch (no install: that machine has no network): two runs of < 8 min on an H100/H200,
+# or one group with `make bench-gpu GPU_GROUPS=1`. Tables on stdout, raw results in $(GPU_OUT).
+GPU_PY ?= python3
+GPU_GROUPS ?= 1 2
+GPU_OUT ?= .
+bench-gpu:
+	for g in $(GPU_GROUPS); do PYTHONPATH=src $(GPU_PY) benchmarks/gpu_suite.py --group $$g --deadline 330 \
+		--json $(GPU_OUT)/gpu_suite_$$g.json || true; done
 
 fuzz: install
 	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER) $(if $(SUBCLASS),--subclass)
