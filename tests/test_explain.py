@@ -88,9 +88,9 @@ def test_module_plan_names_params_mutated_buffer_and_view_output():
 
 def test_saved_numbers_equal_what_the_compiled_module_saves():
     mod, x = _counted_inputs()
-    for pf in (None, min_cut_rematerialization_partition, mincut_partitioner(0.0)):
+    for pf in (aotgrad.default_partition, min_cut_rematerialization_partition, mincut_partitioner(0.0)):
         r = aotgrad.explain(mod, x, partition_fn=pf, budget_points=0, timeline=False)
-        compiled = aot_module(copy.deepcopy(mod), nop, **({} if pf is None else {"partition_fn": pf}))
+        compiled = aot_module(copy.deepcopy(mod), nop, partition_fn=pf)
         with _Packed() as packed:
             compiled(x.clone())
         res = r.residuals
@@ -153,7 +153,7 @@ def test_memory_timeline_is_measured_and_matches_the_saved_activations():
         return x.exp().exp().sum()
 
     x = torch.randn(1000, requires_grad=True)
-    r = aotgrad.explain(f, x, budget_points=0)
+    r = aotgrad.explain(f, x, partition_fn=aotgrad.default_partition, budget_points=0)  # saves the exps
     aot, eager = r.timelines
     assert (aot.label, eager.label) == ("aotgrad", "eager")
     # When the backward starts, what is alive is what the forward saved (two exp outputs, 4000 B

@@ -33,6 +33,7 @@ from .interpreter_stack import on_roomy_stack
 from .module_state import ModuleState
 from .partition import default_partition
 from .plan import symbols_in
+from .refusal_source import numpy_error, with_user_line
 from .runtime import build_runner
 from .subclass_layout import NeedsSubclassBoundary
 
@@ -210,7 +211,15 @@ class CompiledFunction:
                 if run is None:
                     run = compile_signature(fn, leaves, spec, self.config)
             except DATA_DEPENDENT as e:
-                raise _data_dependent_error(e) from e
+                raise with_user_line(_data_dependent_error(e), e) from e
+            except AotgradError as e:
+                with_user_line(e)
+                raise
+            except RuntimeError as e:
+                refusal = numpy_error(e)
+                if refusal is None:
+                    raise
+                raise with_user_line(refusal, e) from e
         if previous is not None:
             self._note_recompile(previous, key, args, kwargs)
         self.cache[key] = run

@@ -60,6 +60,7 @@ from .errors import AotgradError, UnsupportedAliasingError, UnsupportedMutationE
 from .higher_order import missing_derivative
 from .inputs import storage_groups as shared_storage_groups
 from .plan import Captured, InputLayout, Plan
+from .torch_compat import compiling_session
 from .trace_modes import Functionalize, TraceHooks, overlaps_itself
 from .tracer import LeanTracer
 
@@ -235,7 +236,7 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     leaf_grad_fns = {i: user_leaves[i].grad_fn for i in layout.leaf_views}
     args, kwargs = pytree.tree_unflatten(user_leaves, layout.spec)
     hooks = TraceHooks(dense_copies=[b._aotgrad_name for b in bases if b._aotgrad_in_overlapping and b.requires_grad])
-    with mode, hooks:
+    with mode, hooks, compiling_session():
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
     subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage

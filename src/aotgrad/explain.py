@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inputs", help="a function in the script returning the example arguments")
     p.add_argument("--html", help="also write the report as one HTML page here")
     p.add_argument("--memory-budget", type=float, default=None, help="min-cut memory budget in 0..1")
-    p.add_argument("--partitioner", choices=["default", "mincut"], default="default")
+    p.add_argument("--partitioner", choices=["default", "mincut"], default="mincut",
+                   help="mincut (what backend='aotgrad' runs) or aot_function's default_partition")
     p.add_argument("--budget-points", type=int, default=11, help="budgets in 0..1 on the min-cut curve (0: none)")
     ns = p.parse_args(argv)
     path, _, name = ns.target.rpartition(":")
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     fn = _target(module, name)
     args, kwargs = _inputs(module, ns.inputs)
     part = None
-    if ns.partitioner == "mincut":
-        from .partition_mincut import min_cut_rematerialization_partition as part
+    if ns.partitioner == "default":
+        from .partition import default_partition as part
     report = explain(fn, *args, partition_fn=part, memory_budget=ns.memory_budget, budget_points=ns.budget_points,
                      **kwargs)
     print(report)

@@ -102,7 +102,10 @@ def _summary(report, fmt) -> str:
     if report.residuals is not None and not report.residuals.inference:
         parts.append(f"saves {fmt(report.residuals.saved_bytes)} (eager {fmt(report.residuals.eager_bytes)})")
     parts += [f"{t.label} peak {fmt(t.peak)}" for t in report.timelines]
-    return "; ".join(parts)
+    from .explain_peak import peak_note
+
+    note = peak_note(report.timelines, fmt)
+    return "; ".join(parts) + (f". {note[0].upper()}{note[1:]}" if note else "")
 
 
 def _write_index(directory: str, entries: list[tuple[str, str, str]]) -> None:

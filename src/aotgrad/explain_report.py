@@ -12,7 +12,6 @@ analysis, so the report cannot disagree with what the compiled code does.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch.fx
 from . import plan as P
 from .errors import AotgradError
 from .explain_memory import BudgetPoint, Timeline, budget_curve, measure_timeline, recompute_cost
+from .explain_peak import peak_note
 from .residuals import (
     _FRAME_RE,
     MODULE_KEY,
@@ -258,16 +258,14 @@ def graph_info(kind: str, gm: torch.fx.GraphModule) -> GraphInfo:
 # ------------------------------------------------------------------------------------------------
 
 
-def _partition_fn(partition_fn: Callable | None, memory_budget: float | None) -> Callable | None:
-    if memory_budget is None:
-        return partition_fn
+def _partition_fn(partition_fn: Callable | None, memory_budget: float | None) -> Callable:
+    """What `backend="aotgrad"` would partition with: aotgrad's min-cut unless another is named."""
     from .partition_mincut import mincut_partitioner
+    from .residuals import with_budget
 
-    if partition_fn is None:
-        return mincut_partitioner(memory_budget)
-    part = functools.partial(partition_fn, memory_budget=memory_budget)
-    part.__name__ = f"{getattr(partition_fn, '__name__', 'partition')}(memory_budget={memory_budget})"  # type: ignore[attr-defined]
-    return part
+    if partition_fn is None and memory_budget is None:
+        return mincut_partitioner()
+    return with_budget(partition_fn, memory_budget)
 
 
 def _policy_of(partition_fn: Callable | None) -> Any:
@@ -285,7 +283,8 @@ def explain(fn_or_module: Callable, *args: Any, partition_fn: Callable | None = 
             timeline: bool = True, **kwargs: Any) -> Report:
     """Compile `fn_or_module(*args, **kwargs)` with aotgrad (on copies) and report what it did.
 
-    `partition_fn`/`memory_budget` pick the partitioner as `aot_function` would take them;
+    `partition_fn`/`memory_budget` pick the partitioner as `aotgrad.backend` takes them (by default
+    aotgrad's min-cut, what `backend="aotgrad"` runs; `saved_residuals` takes the same keywords);
     `budget_points` budgets in 0..1 for the min-cut curve (0: no curve); `timeline`: measure the
     forward+backward live bytes of aotgrad and eager. A program aotgrad refuses gives a report
     whose `refusal` says why (the error's own message)."""
@@ -375,6 +374,9 @@ def render_text(r: Report) -> str:
                          f"{t.ops[t.peak_index] if t.ops else '-'}); alive when the backward starts "
                          f"{_fmt_bytes(t.at_backward_start)}; {t.backward_start} forward + "
                          f"{len(t.live) - t.backward_start} backward ops")
+        note = peak_note(r.timelines, _fmt_bytes)
+        if note:
+            lines.append("  " + note)
     if r.chosen is not None:
         lines += ["", "5. Memory budget (min-cut menu)"]
         rows = [["budget", "saved", "recompute FLOPs", "recomputed ops"]]

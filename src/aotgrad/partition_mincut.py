@@ -139,6 +139,7 @@ from .partition_ops import (
     op_class,
     tensor_nbytes,
 )
+from .partition_order import sink_recomputation
 from .partition_policies import (
     POLICIES,
     Policy,
@@ -244,7 +245,7 @@ def min_cut_rematerialization_partition(
     j, saved, extra = _choose(j, None if memory_budget is None else float(memory_budget))
     saved = _order_saved(j.graph, list(saved) + symbol_bindings(j.graph, saved, j.tangents))
     fw_module = extract_graph(j.graph, j.primals, list(j.fw_outs) + saved, j.fw_effects)
-    bw_module = extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects)
+    bw_module = sink_recomputation(extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects))
     info = PartitionInfo(
         saved=[n.name for n in saved],
         saved_bytes=j.saved_bytes(saved),

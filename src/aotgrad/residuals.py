@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import itertools
 import os
@@ -115,23 +116,25 @@ class ResidualReport:
             dtype = "-" if r.dtype is None else str(r.dtype).replace("torch.", "")
             src = (r.source or "-") + (f"  [{r.module}]" if r.module else "")
             rows.append([str(i), shape, dtype, _fmt_bytes(r.nbytes), r.op, src])
-        lines += _table(rows, "rllrll")
-        lines.append("")
-        if self.recomputed:
-            heavy = sum(_is_matmul_name(r.op) for r in self.recomputed)
-            views = [r for r in self.recomputed if r.free]
+        if len(rows) > 1:  # a header above no rows says nothing
+            lines += _table(rows, "rllrll")
+            lines.append("")
+        # Counted from the same rows the table shows: views and getitems are free and listed apart.
+        again = [r for r in self.recomputed if not r.free]
+        views = len(self.recomputed) - len(again)
+        if again:
+            heavy = sum(_is_matmul_name(r.op) for r in again)
             lines.append(
-                f"recomputed in the backward: {len(self.recomputed) - len(views)} ops "
-                f"({heavy} matmul/conv/attention), plus {len(views)} views/getitems (free)"
+                f"recomputed in the backward: {len(again)} ops ({heavy} matmul/conv/attention)"
+                + (f", plus {views} views/getitems (free)" if views else "")
             )
-            groups = Counter((r.op, r.source, r.module) for r in self.recomputed if not r.free)
+            groups = Counter((r.op, r.source, r.module) for r in again)
             rows = [["count", "op", "source"]]
             for (op, src, mod), n in groups.items():  # in program order
                 rows.append([str(n), op, (src or "-") + (f"  [{mod}]" if mod else "")])
-            if groups:
-                lines += _table(rows, "rll")
+            lines += _table(rows, "rll")
         else:
-            lines.append("recomputed in the backward: nothing")
+            lines.append("recomputed in the backward: nothing" + (f" but {views} views/getitems (free)" if views else ""))
         lines.append("")
         lines.append(
             f"totals: graph {_fmt_bytes(self.saved_bytes)} in {len(self.saved_tensors)} tensors | "
@@ -266,8 +269,9 @@ def _graph_module_source(frame) -> tuple[str, str] | None:
 def _fqn(dynamo_path: str, drop_root: bool = True) -> str:
     """`L['self']._modules['h']._modules['0']` -> `h.0`: Dynamo's source names as module paths
     (`drop_root`: the first name is the module itself, `self`)."""
-    keys = re.findall(r"\['([^']*)'\]|\.([A-Za-z_]\w*)", dynamo_path)
-    parts = [a or b for a, b in keys]
+    # Layer indices stay: `L['self'].h.0.ln_1` and `L['self'].h[0].ln_1` are `h.0.ln_1`.
+    keys = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", dynamo_path)
+    parts = [a or b or c for a, b, c in keys]
     if drop_root and len(parts) > 1:
         parts = parts[1:]
     parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
@@ -502,17 +506,18 @@ def prepare(fn: Callable, args: tuple, kwargs: dict, partition_fn: Callable | No
     buffers become graph inputs that keep `requires_grad`) with the nop compiler, on copies."""
     from .api import _named_state, aot_function, aot_module
     from .compilers import nop
+    from .compilers_freeing import freeing_nop
     from .partition import default_partition
 
     catcher = _CatchJoint(partition_fn or default_partition)
     if not isinstance(fn, nn.Module):
-        cf = aot_function(fn, nop, decompositions=decompositions, partition_fn=catcher)
+        cf = aot_function(fn, nop, freeing_nop, decompositions=decompositions, partition_fn=catcher)
         names = _leaf_names_for_function(fn, args, kwargs)
         kinds = ["param" if isinstance(x, nn.Parameter) else "arg" for x in pytree.tree_leaves((args, kwargs))]
         return Program(cf, fn, args, kwargs, names, kinds, partition_fn, catcher)
     eager_mod = copy.deepcopy(fn)
     test_mod = copy.deepcopy(fn)
-    compiled = aot_module(test_mod, nop, decompositions=decompositions, partition_fn=catcher)
+    compiled = aot_module(test_mod, nop, freeing_nop, decompositions=decompositions, partition_fn=catcher)
     state_names, state = _named_state(test_mod)
     num_params = len(list(test_mod.named_parameters(remove_duplicate=False)))
     arg_names = _leaf_names_for_function(fn.forward, args, kwargs)
@@ -556,20 +561,37 @@ def _report(compiled_fn, call_args: tuple, call_kwargs: dict, eager_call: Callab
     return _build_report(run, leaf_names, _partitioner_name(partition_fn), runtime, eager)
 
 
-def saved_residuals(fn: Callable, *args: Any, partition_fn: Callable | None = None, decompositions: dict | None = None,
-                    **kwargs: Any) -> ResidualReport:
+def with_budget(partition_fn: Callable | None, memory_budget: float | None) -> Callable | None:
+    """The partitioner that `partition_fn=` / `memory_budget=` name (as `aotgrad.backend` takes
+    them): a budget alone means aotgrad's min-cut at that budget."""
+    if memory_budget is None:
+        return partition_fn
+    from .partition_mincut import mincut_partitioner
+
+    if partition_fn is None:
+        return mincut_partitioner(memory_budget)
+    part = functools.partial(partition_fn, memory_budget=memory_budget)
+    part.__name__ = f"{getattr(partition_fn, '__name__', 'partition')}(memory_budget={memory_budget})"  # type: ignore[attr-defined]
+    return part
+
+
+def saved_residuals(fn: Callable, *args: Any, partition_fn: Callable | None = None, memory_budget: float | None = None,
+                    decompositions: dict | None = None, **kwargs: Any) -> ResidualReport:
     """Compile `fn(*args, **kwargs)` with aotgrad and report what its forward saves for the backward.
 
     The program runs on copies of the arguments (three times: eager, compile, measure); the caller's
-    tensors and random state are left untouched. `partition_fn` defaults to aot_function's default.
-    An nn.Module is lifted as `aot_module` lifts it (its parameters are inputs that require grad).
+    tensors and random state are left untouched. `partition_fn` defaults to aot_function's default;
+    `memory_budget` (as `aotgrad.explain` takes it) picks the min-cut at that budget. Neither keyword
+    reaches `fn`. An nn.Module is lifted as `aot_module` lifts it (its parameters are inputs that
+    require grad).
     """
-    return report_for(prepare(fn, args, kwargs, partition_fn, decompositions))
+    return report_for(prepare(fn, args, kwargs, with_budget(partition_fn, memory_budget), decompositions))
 
 
 def saved_residuals_module(mod: nn.Module, *args: Any, partition_fn: Callable | None = None,
-                           decompositions: dict | None = None, **kwargs: Any) -> ResidualReport:
+                           memory_budget: float | None = None, decompositions: dict | None = None,
+                           **kwargs: Any) -> ResidualReport:
     """`saved_residuals` for a module: parameters and buffers are graph inputs, named as in the module.
 
     Runs on deep copies of the module (buffers such as BatchNorm statistics are not updated)."""
-    return report_for(prepare(mod, args, kwargs, partition_fn, decompositions))
+    return report_for(prepare(mod, args, kwargs, with_budget(partition_fn, memory_budget), decompositions))
