@@ -82,6 +82,7 @@ class Variant:
     step_ms: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
     error: str | None = None
+    trace: str | None = None  # the failure's traceback, for --json (what a GPU run brings back to diagnose)
 
     def median_ms(self) -> float | None:
         if not self.step_ms:
@@ -261,7 +262,7 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
                 variant.first_step_s = time.perf_counter() - t0
             variant.losses.append(float(loss))
         except Exception as e:
-            variant.error = _error(e)
+            variant.error, variant.trace = _error(e), traceback.format_exc(limit=-12)
             if args.verbose:
                 traceback.print_exc()
         log(f"  {name}: {v} first step {_f(variant.first_step_s, '.1f') + ' s' if variant.error is None else variant.error}")
@@ -274,7 +275,7 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
             try:
                 row.variants[v].losses.append(float(trainers[v].step(sm.batches[i])))
             except Exception as e:
-                row.variants[v].error = _error(e)
+                row.variants[v].error, row.variants[v].trace = _error(e), traceback.format_exc(limit=-12)
                 live.remove(v)
     for v in list(live):  # warm-up beyond the loss steps (CUDA graphs record on the first calls)
         try:

@@ -23,7 +23,10 @@ printed, next to what an exhaustive search (every subset of the expensive nodes 
 without one cheap value saved on top) finds. Checks (printed PASS/FAIL):
 
   1. aotgrad min-cut saved bytes <= upstream min-cut on every model, with no more recomputed mm/conv;
-  2. the sweep is monotone: saved bytes never grow as the budget falls.
+  2. the sweep is monotone: saved bytes never grow as the budget falls;
+  3. the measured live peak (one forward + backward, op by op, as `aotgrad.explain`'s timeline; the
+     backward graphs free each saved value at its last use, as compiled code does) of aotgrad's
+     min-cut is at most upstream min-cut's at the same budget (`activation_memory_budget`) and eager's.
 
 Every model is measured twice: on the aten graph as traced (no decompositions), and with Inductor's
 decomposition table (`torch._inductor.decomposition.select_decomp_table()`, what
@@ -73,6 +76,7 @@ class Measure:
     nearest: tuple | None = None  # budget sweep: fractions of the explored plans nearest the request (below, above)
     dominated: bool | None = None  # budget sweep: another explored plan saves less for no more FLOPs
     exhaustive: str | None = None  # budget sweep, off-target points: what an exhaustive search finds
+    live_peak: int | None = None  # measured live activation bytes, forward + backward (explain's timeline)
     mismatch: str | None = None
     error: str | None = None
 
@@ -82,6 +86,7 @@ class ModelResult:
     model: str
     sides: dict[str, Measure] = field(default_factory=dict)
     sweep: dict[float, Measure] = field(default_factory=dict)
+    upstream_sweep: dict[float, Measure] = field(default_factory=dict)  # upstream min-cut at the same budgets
 
 
 class _SavedCounter:
@@ -96,6 +101,18 @@ class _SavedCounter:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def _live_peak(mod: torch.nn.Module, call: Callable, inputs: tuple) -> int:
+    """The live peak of one forward + backward (gradients of ones), measured op by op as
+    `aotgrad.explain`'s timeline does; parameters, buffers and inputs are not counted, and gradients
+    start as None."""
+    from aotgrad.explain_memory import measure_timeline
+
+    fresh = clone_inputs(inputs)
+    mod.zero_grad(set_to_none=True)
+    held = (fresh, list(mod.parameters()), list(mod.buffers()))
+    return measure_timeline("", lambda: call(*fresh), held).peak
 
 
 def _step(model: torch.nn.Module, call: Callable, inputs: tuple) -> tuple[object, dict]:
@@ -113,6 +130,7 @@ def _eager(bm: BenchModel) -> tuple[Measure, tuple]:
         mod(*clone_inputs(inputs))
     m = Measure(saved_bytes=sum(counter.storages.values()), saved_count=len(counter.storages),
                 recomputed=0, recomputed_free=0, recomputed_mm=0)
+    m.live_peak = _live_peak(mod, mod, inputs)
     return m, reference
 
 
@@ -138,9 +156,11 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
         seen["fw"] = gm
         return gm
 
-    def bw_compiler(gm, _example):
+    def bw_compiler(gm, example):
+        from aotgrad.compilers_freeing import freeing_nop
+
         seen["bw"] = gm
-        return gm
+        return freeing_nop(gm, example)  # frees each saved value at its last use, as compiled code does
 
     try:
         if bm.is_function:
@@ -153,6 +173,7 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
         counter = _SavedCounter()
         with counter.hooks():
             compiled(*inputs)
+        m.live_peak = _live_peak(mod, compiled, inputs)
     except Exception as e:  # a benchmark reports, it does not stop
         m.error = error_text(e)
         return m
@@ -233,6 +254,11 @@ def measure_model(bm: BenchModel, budgets=BUDGETS, decompositions: str = "none")
     for b in budgets:
         res.sweep[b] = _compiled(bm, aotgrad.aot_function, aotgrad.aot_module, aotgrad.mincut_partitioner(b), reference,
                                  decomps)
+        from torch._functorch import config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=b):
+            res.upstream_sweep[b] = _compiled(bm, upstream.aot_function, upstream.aot_module,
+                                              upstream.min_cut_rematerialization_partition, reference, decomps)
     return res
 
 
@@ -339,6 +365,37 @@ def report_sweep(results: list[ModelResult]) -> tuple[bool, str]:
     return ok, line
 
 
+def report_live_peak(results: list[ModelResult]) -> tuple[bool, str]:
+    print()
+    print("== 3. Live peak (KiB alive at the highest point of one forward + backward, measured op by op as "
+          "aotgrad.explain's timeline does), min-cut at each budget: aotgrad / upstream, and eager ==")
+    budgets = list(results[0].sweep) if results else list(BUDGETS)
+    headers = ["model", "eager"] + [f"b={b:g} aot/up" for b in budgets] + ["aotgrad <= both"]
+    rows, bad = [], []
+    for r in results:
+        eager = r.sides["eager"].live_peak
+        cells = [r.model, _kib(eager)]
+        good = True
+        for b in budgets:
+            a, u = r.sweep[b], r.upstream_sweep.get(b, Measure())
+            cells.append(f"{_kib(a.live_peak)} / {_kib(u.live_peak)}")
+            if a.live_peak is None:
+                good = False
+                continue
+            limits = [x for x in (eager, u.live_peak) if x is not None]
+            if any(a.live_peak > x for x in limits):
+                good = False
+                bad.append(f"{r.model}@{b:g}")
+        cells.append("yes" if good else "NO")
+        rows.append(cells)
+    print(table(headers, rows, "l" + "r" * (len(headers) - 1)))
+    ok = not bad
+    line = f"live peak: aotgrad min-cut <= upstream min-cut and <= eager at every budget: {'PASS' if ok else 'FAIL'}"
+    if bad:
+        line += " | above at " + ", ".join(bad)
+    return ok, line
+
+
 def run(only: list[str] | None = None, log: Callable[[str], None] | None = None,
         decompositions: tuple[str, ...] = DECOMPOSITIONS) -> tuple[bool, list[str], list[ModelResult]]:
     """Measure, print both tables; return (all checks pass, summary lines, raw results)."""
@@ -353,7 +410,8 @@ def run(only: list[str] | None = None, log: Callable[[str], None] | None = None,
             results.append(measure_model(bm, decompositions=decomps))
     ok1, line1 = report_sides(results)
     ok2, line2 = report_sweep(results)
-    return ok1 and ok2, [line1, line2], results
+    ok3, line3 = report_live_peak(results)
+    return ok1 and ok2 and ok3, [line1, line2, line3], results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
 def to_json(results: list[ModelResult]) -> list[dict]:
     """Raw results as plain data (for --json, or run_all.py's raw dump)."""
     return [{"model": r.model, "sides": {k: asdict(v) for k, v in r.sides.items()},
-             "sweep": {str(b): asdict(v) for b, v in r.sweep.items()}} for r in results]
+             "sweep": {str(b): asdict(v) for b, v in r.sweep.items()},
+             "upstream_sweep": {str(b): asdict(v) for b, v in r.upstream_sweep.items()}} for r in results]
 
 
 if __name__ == "__main__":
