@@ -86,3 +86,24 @@ def test_freeing_nop_frees_each_input_at_its_last_use():
     assert args == [] and alive() is None
     torch.testing.assert_close(out, torch.full((3,), 3.0))
     assert "args_list" not in gm.code  # the caller's module is unchanged
+
+
+def test_freeing_nop_runs_each_getitem_right_after_its_tuple():
+    # batch norm's output is dead once ReLU has read it, though its mean/invstd items live on: the
+    # getitems run right after the op so the tuple (which holds every item) is let go at once.
+    def f(x, w, b):
+        res = torch.ops.aten.native_batch_norm.default(x, w, b, None, None, True, 0.1, 1e-5)
+        y = res[0].relu()
+        return y.sum() + res[1].sum() + res[2].sum()
+
+    gm = torch.fx.symbolic_trace(f)
+    run = freeing_nop(gm, [])
+    x, w, b = torch.randn(4, 3, 8, 8), torch.ones(3), torch.zeros(3)
+    torch.testing.assert_close(run([x, w, b]), f(x, w, b))
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    from aotgrad.compilers_freeing import _items_right_after_their_tuple
+
+    _items_right_after_their_tuple(graph)
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert ops[1:4] == ["<built-in function getitem>"] * 3, ops

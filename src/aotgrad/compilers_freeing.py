@@ -9,6 +9,7 @@ this compiler for the backward, so the timeline shows what a compiled backward h
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,18 @@ import torch.fx
 from .torch_compat import boxed_codegen
 
 __all__ = ["freeing_nop"]
+
+
+def _items_right_after_their_tuple(graph: torch.fx.Graph) -> None:
+    """Move each `getitem` of a multi-output op (batch norm, attention...) right after the op: the
+    generated code holds the op's tuple until its last `getitem`, and with it every item, even one
+    whose own last use is long past. Compiled code frees each item on its own; so does this then."""
+    for node in list(graph.nodes):
+        items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+        cursor = node
+        for item in sorted(items, key=lambda u: u.args[1] if isinstance(u.args[1], int) else 0):
+            cursor.append(item)
+            cursor = item
 
 
 def freeing_nop(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Callable:
@@ -30,6 +43,7 @@ def freeing_nop(fx_g: torch.fx.GraphModule, _example_inputs: list[Any]) -> Calla
     graph = torch.fx.Graph()
     out = graph.graph_copy(fx_g.graph, {})
     graph.output(out)
+    _items_right_after_their_tuple(graph)
     graph.set_codegen(codegen)
     gm = torch.fx.GraphModule(fx_g, graph)
 
