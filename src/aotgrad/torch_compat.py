@@ -5,8 +5,8 @@ used for the CUDA checks (`scripts/cuda_check.py`) and the GPU suite (`benchmark
 torch 2.11 and run aotgrad from src/, so the handful of helpers renamed since are looked up here,
 once. What the test files show on torch 2.11 (CPU wheel, this project's tests, session of issue 41):
 test_core / test_partition / test_explain / test_backend / test_autocast pass except
-  * `test_ops_with_ordered_side_effects_keep_their_checks`: `linalg.inv` of a singular matrix does not
-    raise inside the compiled function (2.11 traces no `_linalg_check_errors`);
+  * `test_ops_with_ordered_side_effects_keep_their_checks` failed until the check op is registered as
+    an ordered effect here, as torch 2.13 itself does (`_linalg_checks_are_ordered_effects`);
   * `test_selective_checkpoint_tags_are_honoured`, `test_checkpointed_attention_without_dropout_...`:
     2.11's checkpoint tags lead min-cut to save what 2.13's let it recompute (still correct);
   * `test_nested_regions[no-caller-aotgrad]`: Inductor's mixed float16/bfloat16 kernels round one
@@ -64,3 +64,19 @@ def compiling_session():
         yield
     finally:
         compiler._is_compiling_flag = old
+
+
+def _linalg_checks_are_ordered_effects() -> None:
+    """torch 2.13 registers `aten::_linalg_check_errors` (linalg.inv's "singular matrix" check and
+    the like) as an ordered side effect, so a traced program keeps it; torch 2.11 does not, and the
+    check, having no output, was dropped as dead code. Register it here as 2.13 does."""
+    try:
+        from torch._higher_order_ops import effects
+    except ImportError:  # pragma: no cover
+        return
+    op = "aten::_linalg_check_errors"
+    if effects._get_effect(op) is None:
+        effects._register_effectful_op(op, effects._EffectType.ORDERED)
+
+
+_linalg_checks_are_ordered_effects()
