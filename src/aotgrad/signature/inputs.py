@@ -20,7 +20,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import UnsupportedAliasingError, UnsupportedInputError, UnsupportedMutationError
+from ..errors import UnsupportedAliasingError, UnsupportedInputError
 from ..plan import BaseOfLeaf, FromLeaf, InputLayout, StorageOfLeaf, SymbolSource, ViewOfPrimal
 from . import guard_tensors, guards, subclass_layout
 from .ambient import any_autocast, autocast_key
@@ -167,15 +167,6 @@ def layout_for(
 
 def _synthetic_base_source(leaves: Sequence[Any], group: Sequence[int]):
     members = [leaves[i] for i in group]
-    spread = [getattr(m, "_aotgrad_spread_of", None) for m in members]
-    if any(s is not None for s in spread):
-        leaf = next(s for s in spread if s is not None)
-        raise UnsupportedMutationError(
-            f"aotgrad: the program writes into input {leaf}, a plain tensor whose gradient is a tensor "
-            "subclass (it meets a subclass argument); aotgrad passes such an argument once per inner "
-            "gradient and cannot write it back or give it the write's autograd history. Write into a "
-            ".clone() of it, or make it the subclass (e.g. TwoTensor(x, x.clone()))."
-        )
     if any(m.dtype != members[0].dtype for m in members):
         raise UnsupportedAliasingError(
             f"aotgrad: inputs {list(group)} share one storage with different dtypes and one is mutated; "
