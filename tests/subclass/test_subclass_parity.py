@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BwMutatesBuffer, _clone, assert_same, run_both, two
+from helpers import BwMutatesBuffer, _clone, assert_same, nested, run_both, two
 from torch.testing._internal.two_tensor import TwoTensor
 
 import aotgrad
@@ -198,3 +198,114 @@ def test_metadata_mutation_under_no_grad_of_an_argument_requiring_grad_with_no_g
     outcome = fuzz_subclass.check_program(fuzz.generate(4, 124))
     assert outcome.kind == "refused", outcome
     assert "InplaceOnLeafError" in str(outcome) and "input 1" in str(outcome), outcome
+
+
+def _plain_program(x, w):
+    return torch.sin(x) * w, (x * 2).sum()
+
+
+@pytest.mark.parametrize("through", ["aot_function", "torch.compile"])
+def test_a_plain_output_whose_gradient_is_a_subclass_gets_eagers_gradients(through):
+    """A plain program whose output is multiplied into a TwoTensor loss: its gradient is a TwoTensor,
+    the backward was traced for a plain one; it runs op by op over it, as eager's backward does
+    (Inductor's compiled backward could not take it)."""
+    torch._dynamo.reset()
+    compiled = (aotgrad.aot_function(_plain_program, aotgrad.nop) if through == "aot_function"
+                else torch.compile(_plain_program, backend="aotgrad", fullgraph=True))
+    for _ in range(3):
+        x, w = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        xc, wc = _clone(x), _clone(w)
+        scale = two(4, requires_grad=False)
+        y, s = _plain_program(x, w)
+        yc, sc = compiled(xc, wc)
+        assert_same(yc, y, "output 0")
+        ((y * scale).sum() + s).backward()
+        ((yc * scale).sum() + sc).backward()
+        assert type(xc.grad) is TwoTensor and type(x.grad) is TwoTensor
+        assert_same(xc.grad, x.grad, "grad of x")
+        assert_same(wc.grad, w.grad, "grad of w")
+        plain_again = compiled(xc, wc)[0]  # a plain gradient afterwards: the compiled backward again
+        plain_again.sum().backward()
+
+
+def _returns_its_plain_argument(a, t):
+    return a * t, a
+
+
+def test_a_plain_argument_with_a_subclass_gradient_returned_as_is_is_the_callers_tensor():
+    """The argument is passed as stand-ins (its gradient is a TwoTensor); returned as is, the caller
+    gets the argument itself, a leaf, as from eager (was: the stand-in, a non-leaf)."""
+    compiled, got, ours = run_both(_returns_its_plain_argument,
+                                   lambda: [torch.randn(3, requires_grad=True), two(3)])
+    assert got[1] is ours[0] and got[1].is_leaf
+    for _ in range(2):
+        a, t = torch.randn(3, requires_grad=True), two(3)
+        assert compiled(a, t)[1] is a
+
+
+def _plain_output_beside_a_subclass(a, s):
+    v = a * a
+    return v, v * s
+
+
+def test_a_plain_output_of_a_subclass_program_given_a_subclass_gradient_is_refused_by_name():
+    """Inside the subclass stage the graph holds flattened subclass values: a subclass gradient for a
+    plain output cannot run op by op there (the fuzzer's program 1077, --subclass --seed 77)."""
+    compiled = aotgrad.aot_function(_plain_output_beside_a_subclass, aotgrad.nop)
+    a = torch.randn(3, requires_grad=True)
+    v, w = compiled(a, two(3, requires_grad=False))
+    with pytest.raises(aotgrad.AotgradError, match="plain tensor but its incoming gradient is a TwoTensor"):
+        (v.sum() + w.sum()).backward()  # a TwoTensor loss: v's gradient is a TwoTensor
+    v, w = compiled(a, two(3, requires_grad=False))
+    (v.sum() + w.sum().a).backward()  # plain gradients: runs
+    assert a.grad is not None
+
+
+def _gradient_as(make_grad):
+    """A custom Function (x * 2) whose backward returns `make_grad(g)`: eager accumulates it as is."""
+
+    class GradientAs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return make_grad(g)
+
+    return GradientAs
+
+
+_LessNestedGradient = _gradient_as(lambda g: g.a * 2)  # one level less nested than the argument
+_MixedGradient = _gradient_as(lambda g: TwoTensor(g.a.a * 2, g.b))  # a plain part and a TwoTensor part
+_PlainGradient = _gradient_as(lambda g: g.a * 3)  # a TwoTensor's gradient as a plain tensor
+
+
+@pytest.mark.parametrize("fn, make", [
+    (lambda x, w: _LessNestedGradient.apply(x).sin() * w, lambda: [nested(3), torch.randn(3, requires_grad=True)]),
+    (lambda x, w: _MixedGradient.apply(x).cos() + w, lambda: [nested(3), torch.randn(3, requires_grad=True)]),
+    (lambda x, w: _PlainGradient.apply(x) * w, lambda: [two(3), torch.randn(3, requires_grad=True)]),
+], ids=["less-nested", "mixed", "plain"])
+def test_an_arguments_gradient_nested_less_deeply_than_the_argument(fn, make):
+    """Eager's gradient of a nested subclass argument can be less nested (a custom Function's
+    backward): it travels through the argument's inner tensors and is rebuilt as eager's, over three
+    calls (was: refused as 'cannot be split into the argument's inner tensors')."""
+    compiled = None
+    for _ in range(3):
+        compiled = run_both(fn, make)[0] if compiled is None else compiled
+        eager_in = make()
+        ours = [_clone(x) for x in eager_in]
+        fn(*eager_in).sum().backward()
+        compiled(*ours).sum().backward()
+        assert type(ours[0].grad) is type(eager_in[0].grad)
+        assert type(getattr(ours[0].grad, "a", None)) is type(getattr(eager_in[0].grad, "a", None))
+        assert_same(ours[0].grad, eager_in[0].grad, "grad of x")
+        assert_same(ours[1].grad, eager_in[1].grad, "grad of w")
+
+
+def test_a_less_nested_gradient_under_create_graph_is_refused_by_name():
+    compiled = aotgrad.aot_function(lambda x: _LessNestedGradient.apply(x).sin(), aotgrad.nop)
+    x = nested(3)
+    y = compiled(x).sum()
+    with pytest.raises(aotgrad.HigherOrderError):
+        torch.autograd.grad(y, x, create_graph=True)

@@ -25,7 +25,8 @@ from ..higher_order.backward import HigherOrder, pristine_copy
 from ..partition import zero_tangents
 from ..partition.default import clone_saved_inputs, flows_from
 from ..plan import Captured, CopyInto, MutatedInputValue, Plan
-from ..signature import ambient
+from ..signature import ambient, subclass_layout
+from ..signature.subclass_layout import is_subclass
 from ..trace import backward_mutations
 from ..trace.inputs import _primal_name
 from ..trace.interpreter_stack import on_roomy_stack
@@ -61,6 +62,9 @@ class CompiledForward:
     higher_order: HigherOrder | None = None  # the differentiable backward (higher_order/backward.py)
     keep_inplace: bool = False  # disable_functionalization=True: compilers get in-place ops back
     facts: Any = None  # a cache hit's GraphFacts: what the run time would read off graphs not loaded
+    # False inside the subclass stage: its graph holds flattened subclass values, which a subclass
+    # gradient run op by op would mix with (subclass/wrap.py)
+    dispatch_backward: bool = True
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)
@@ -78,6 +82,16 @@ class CompiledForward:
         """The backward graph run as is, for Dynamo to trace into its graph (compiled autograd
         traces the backward; the CA graph's own compiler compiles it, as upstream's does)."""
         return self.bw_module(*args)
+
+    def backward_by_dispatch(self, args: list, output: int) -> Any:
+        """A subclass gradient reached this backward, traced for a plain one (forward output
+        `output` is plain, its gradient a subclass, as when a plain and a subclass loss are summed):
+        the graph runs op by op, so the subclass's own dispatch computes what eager's backward would."""
+        gm = self.bw_module
+        if gm is None or not self.dispatch_backward:
+            subclass_layout.refuse_subclass_tangent(next(a for a in args if is_subclass(a)), output,
+                                                    inside_subclass_stage=gm is not None)
+        return list(gm(*args))
 
     def _compile_backward(self, example_inputs: list) -> Callable:
         if not takes_functional_graphs(self.bw_compiler):

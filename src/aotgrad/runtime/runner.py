@@ -206,13 +206,22 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         for j, i in enumerate(diff):
             bw.emit(f"t{j} = grads[{i}]")
             bw.globals[f"_dtype{j}"], bw.globals[f"_device{j}"] = traced[j].dtype, traced[j].device
-        parts += [
+        tangents = [
             f"_contig(t{j}, {i}) if t{j} is not None else _zeros(ctx.tangent_shapes[{j}], dtype=_dtype{j}, device=_device{j})"
-            for j in range(len(diff))
+            for j, i in enumerate(diff)
         ]
     else:
-        parts += [f"_contig(grads[{i}], {i})" for i in diff]
-    bw.emit(f"args = [{', '.join(parts)}]")
+        tangents = [f"_contig(grads[{i}], {i})" for i in diff]
+    # A subclass gradient where the trace saw a plain one (a plain output summed into a subclass
+    # loss): the backward graph then runs op by op over it, as eager's backward would.
+    bw.globals["_SubclassGradient"] = SubclassGradient
+    bw.globals["_keep"] = _contiguous_any
+    bw.emit("try:")
+    bw.emit(f"args = [{', '.join(parts + tangents)}]", 2)
+    bw.emit("by_dispatch = None", 2)
+    bw.emit("except _SubclassGradient as subclass_gradient:")
+    bw.emit(f"args = [{', '.join(parts + [t.replace('_contig(', '_keep(') for t in tangents])}]", 2)
+    bw.emit("by_dispatch = subclass_gradient.args[0]", 2)
     # Eager's backward is cast by the autocast state in force when it runs (signature/ambient.py).
     bw.globals["_any_autocast"] = ambient.any_autocast
     run_bw = f"({cfw}.backward(args)(args) if not _any_autocast() else {cfw}.backward_under_autocast(args))"
@@ -220,6 +229,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # inline (compile.CompiledForward.traceable_backward), without the lock or the compiler call.
     bw.globals["_is_compiling"] = torch.compiler.is_compiling
     run_bw = f"({cfw}.traceable_backward(args) if _is_compiling() else {run_bw})"
+    run_bw = f"({cfw}.backward_by_dispatch(args, by_dispatch) if by_dispatch is not None else {run_bw})"
     if none_aware:
         bw.emit(f"nones = {_tuple_src([f't{j} is None' for j in range(len(diff))])}")
         run_bw = (f"({cfw}.backward_with_none_tangents(nones, args) if True in nones and not _is_compiling() "
@@ -445,9 +455,17 @@ def _output_values(gm: torch.fx.GraphModule) -> list:
     return [getattr(v, "meta", {}).get("val") for v in gm.graph.output_node().args[0]]
 
 
+class SubclassGradient(Exception):
+    """Internal: a compiled plain backward received a subclass gradient (see build_function)."""
+
+
 def _contiguous(g: torch.Tensor, i: int = -1) -> torch.Tensor:
-    if type(g) is not torch.Tensor and g is not None:
-        subclass_layout.refuse_subclass_tangent(g, i)
+    if type(g) is not torch.Tensor and g is not None and subclass_layout.is_untraced_subclass(g):
+        raise SubclassGradient(i)
+    return g.contiguous() if g is not None else g
+
+
+def _contiguous_any(g: torch.Tensor, i: int = -1) -> torch.Tensor:
     return g.contiguous() if g is not None else g
 
 

@@ -89,16 +89,25 @@ def refuse_subclass_outputs(flat_out: Sequence[Any]) -> None:
         raise NeedsSubclassBoundary
 
 
-def refuse_subclass_tangent(g: torch.Tensor, i: int) -> None:
-    """A compiled plain backward received a subclass gradient for forward output `i`."""
+def is_untraced_subclass(g: torch.Tensor) -> bool:
+    """A subclass gradient a caller passed (not one of a trace's own functional or fake tensors)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    if is_subclass(g) and not isinstance(g, FunctionalTensor) and not is_traced(g):
-        raise UnsupportedOutputError(
-            f"aotgrad: forward output {i} is a plain tensor but its incoming gradient is a "
-            f"{layout_of(g).describe()}; the compiled backward was traced for a plain gradient. Call "
-            "backward with a plain gradient there, or call the function eagerly."
-        )
+    return is_subclass(g) and not isinstance(g, FunctionalTensor) and not is_traced(g)
+
+
+def refuse_subclass_tangent(g: torch.Tensor, i: int, inside_subclass_stage: bool) -> None:
+    """A compiled plain backward received a subclass gradient for forward output `i`, and cannot
+    run its graph over it op by op."""
+    why = ("the program has subclass arguments, whose flattened values the subclass gradient would "
+           "be mixed with (as a plain output summed into a subclass loss gives). Return that output as "
+           "a subclass, or make its gradient plain" if inside_subclass_stage else
+           "its graph was not kept. Call backward with a plain gradient there")
+    raise UnsupportedOutputError(
+        f"aotgrad: forward output {i} is a plain tensor but its incoming gradient is a "
+        f"{layout_of(g).describe()}; the compiled backward was traced for a plain gradient and "
+        f"{why}, or call the function eagerly."
+    )
 
 
 def _ctx_key(ctx: Any) -> Any:

@@ -194,6 +194,13 @@ def mark_spread(boundary) -> None:
 
 
 def _refuse_spread(site) -> None:
+    if site.grad_slots is not None and not site.tracing:
+        raise HigherOrderError(
+            f"aotgrad: backward with create_graph=True through a compiled function where the gradient of "
+            f"{site.name} is nested less deeply than the argument ({site.layout.describe()}): aotgrad "
+            "carries that gradient through the argument's inner tensors and does not record it for a "
+            "second derivative. Call the function eagerly where you need higher-order gradients."
+        )
     names = site.__dict__.get("spread_refusal")
     if names is not None:
         raise HigherOrderError(

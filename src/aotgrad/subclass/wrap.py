@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..plan import FromLeaf, ViewChain
 from ..signature.subclass_layout import (
+    Opaque,
     SubclassLayout,
     flatten,
     is_subclass,
@@ -75,6 +76,9 @@ class _Site:
     layout: SubclassLayout
     name: str
     grad_layout: SubclassLayout | None = None  # argument: the gradient's layout the trace saw arrive
+    # argument whose gradient is nested less deeply than it (or is plain): where each plain part of
+    # the gradient travels among the argument's inner tensors (`gradient_slots`)
+    grad_slots: tuple[int, ...] | None = None
     tracing: bool = True
     plain_shapes: list | None = None  # argument: its inner tensors' shapes in the trace
 
@@ -90,6 +94,9 @@ class _Site:
                 # coercion would be a collective in the backward the caller did not ask for.
                 grad, got = self._coerce(grad, got, refuse=False)
             if got is None or got.num_plain != self.layout.num_plain:
+                spread = self._spread_over_slots(grad, got)
+                if spread is not None:
+                    return spread
                 raise UnsupportedInputError(
                     f"aotgrad: the gradient of {self.name} ({self.layout.describe()}) is "
                     f"{'a plain tensor' if got is None else got.describe()}, which cannot be split into the "
@@ -100,6 +107,24 @@ class _Site:
             grad, got = self._coerce(grad, got)
         out: list = []
         flatten(grad, got, out)
+        return out
+
+    def _spread_over_slots(self, grad: torch.Tensor, got: SubclassLayout | None) -> list | None:
+        """An argument's gradient nested less deeply than the argument (eager's, from a custom
+        Function's backward): each plain part goes to the first inner tensor of the argument's
+        matching part, the others get none; `rebuild_grad` picks them out again. None where the
+        gradient does not fit so."""
+        slots = gradient_slots(got, self.layout)
+        parts: list = [grad] if got is None else []
+        if got is not None:
+            flatten(grad, got, parts)
+        shapes = self.plain_shapes
+        if slots is None or shapes is None or any(tuple(p.shape) != shapes[k] for k, p in zip(slots, parts)):
+            return None
+        self.grad_layout, self.grad_slots = got, tuple(slots)
+        out: list = [None] * self.layout.num_plain
+        for k, p in zip(slots, parts):
+            out[k] = p
         return out
 
     def _fits(self, grad: torch.Tensor, got: SubclassLayout) -> bool:
@@ -138,6 +163,12 @@ class _Site:
     def rebuild_grad(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """`_Unwrap.backward`: the plain gradients as one subclass gradient."""
         layout = self.layout if self.tracing else self.grad_layout
+        if self.grad_slots is not None and not self.tracing:  # nested less deeply than the argument
+            grads = [grads[k] for k in self.grad_slots]
+            if None in grads:
+                return None
+            if layout is None:
+                return grads[0]
         if layout is None:
             return None
         if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass/higher.py)
@@ -145,6 +176,34 @@ class _Site:
             if zero is not None:
                 return zero
         return rebuild(layout, grads)
+
+
+def gradient_slots(got: SubclassLayout | None, layout: SubclassLayout) -> list[int] | None:
+    """Positions among `layout`'s plain inner tensors for the plain parts of a gradient of layout
+    `got` that is `layout` with some parts less nested (a plain part standing for a whole subclass
+    part goes to that part's first inner tensor). None if `got` is not so."""
+    if got is None:
+        return [0]
+    if got.cls is not layout.cls or got.attrs != layout.attrs:
+        return None
+    slots: list[int] = []
+    pos = 0
+    for mine, theirs in zip(layout.inner, got.inner):
+        if isinstance(mine, Opaque) or isinstance(theirs, Opaque):
+            if not (isinstance(mine, Opaque) and isinstance(theirs, Opaque)):
+                return None
+            continue
+        if theirs is None:
+            slots.append(pos)
+        elif mine is None:
+            return None  # the gradient nests more deeply here
+        else:
+            inner = gradient_slots(theirs, mine)
+            if inner is None:
+                return None
+            slots += [pos + k for k in inner]
+        pos += 1 if mine is None else mine.num_plain
+    return slots
 
 
 class _Wrap(torch.autograd.Function):
@@ -360,7 +419,7 @@ class Boundary:
 
     def plain_function(self, fn: Callable) -> Callable:
         def fn_plain(*plain):
-            leaves, rebuilt, inner_of = [], {}, {}
+            leaves, rebuilt, inner_of, gathered = [], {}, {}, {}
             for i, lay in enumerate(self.layouts):
                 start, stop = self.ranges[i]
                 if self.first.get(i, i) != i:  # the same tensor again (a spread one included)
@@ -368,6 +427,7 @@ class Boundary:
                     continue
                 if i in self.spread:
                     leaves.append(_Gather.apply(self.spread[i], *plain[start:stop]))
+                    gathered[id(leaves[-1])] = i  # returned as is: the caller's argument, as eager's
                     continue
                 if lay is None:
                     leaves.append(plain[start])
@@ -417,7 +477,7 @@ class Boundary:
             self.unclear_history = {i for i in self.rebased
                                     if not _writes_all_recorded(leaves[i].grad_fn, before[i][2], self.bumps[i])}
             flat, self.out_spec = pytree.tree_flatten(out)
-            return self._flatten_outputs(flat, rebuilt) + self._rebased_values(leaves)
+            return self._flatten_outputs(flat, rebuilt, gathered) + self._rebased_values(leaves)
 
         fn_plain.__qualname__ = getattr(fn, "__qualname__", "fn") + "[subclasses flattened]"
         return fn_plain
@@ -446,7 +506,7 @@ class Boundary:
             self.early_views.add(k)
             return early
 
-    def _flatten_outputs(self, flat: list, rebuilt: dict[int, int]) -> tuple:
+    def _flatten_outputs(self, flat: list, rebuilt: dict[int, int], gathered: dict[int, int]) -> tuple:
         """The plain values the graph returns for the user's outputs; `self.outputs` says how each
         user output is rebuilt (entries past `self.num_user` are bases of views, rebuilt first)."""
         self.outputs, self.num_user = [], len(flat)
@@ -463,7 +523,9 @@ class Boundary:
         while pending:
             k, o = pending.pop(0)
             _refuse_nested(o, f"output {k}")
-            if not (isinstance(o, torch.Tensor) and is_subclass(o)):
+            if id(o) in gathered:
+                self.outputs[k] = LeafOut(gathered[id(o)])
+            elif not (isinstance(o, torch.Tensor) and is_subclass(o)):
                 self.outputs[k] = PlainOut(len(plain))
                 plain.append(o)
             elif id(o) in rebuilt:
@@ -768,6 +830,9 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
             if not (restore_requires_grad and boundary.restores_requires_grad()):
                 raise
             restore_requires_grad = False
+    compiled = getattr(run_plain, "compiled", None)
+    if compiled is not None:
+        compiled.dispatch_backward = False
     mutated = boundary.check_mutations(run_plain.plan)
     subclass_metadata.refuse_detached(boundary, leaves)
     boundary.refuse_grad_mutations(leaves, mutated, run_plain.plan)
