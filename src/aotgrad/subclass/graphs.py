@@ -1,6 +1,6 @@
 """The subclass stage's pass over the plain graphs before they reach the caller's compiler.
 
-The boundary's autograd Functions (`subclass_wrap._Wrap`, `_Unwrap`) detach the inner tensors they
+The boundary's autograd Functions (`_Wrap`, `_Unwrap`: subclass/crossings.py) detach the inner tensors they
 hand across, so every subclass argument and output leaves an `aten.detach` per inner tensor in the
 forward graph. A detach changes no value; it matters only where the graph returns it (the run time
 gets a tensor object of its own, not the input or another output). So a detach's other uses read

@@ -38,11 +38,14 @@ class _Rebase(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, new):
         ctx.mark_dirty(t)
+        ctx.view = t._is_view()
         return t
 
     @staticmethod
     def backward(ctx, grad):
-        return None, grad
+        # t's old value reaches `new` through the plain run; itself it gets zeros. For a view, autograd's
+        # CopySlices passes the base the rest of its gradient beside these zeros (None would drop it all).
+        return (torch.zeros_like(grad) if ctx.view else None), grad
 
 
 def _attr_paths(layout: SubclassLayout, prefix: str) -> list[str]:

@@ -35,25 +35,25 @@ from ..dynamic import subclasses as subclass_symbolic
 from ..errors import (
     AotgradError,
     InplaceOnLeafError,
+    UnsupportedAliasingError,
     UnsupportedInputError,
     UnsupportedMutationError,
     UnsupportedOutputError,
 )
 from ..plan import FromLeaf, ViewChain
 from ..signature.subclass_layout import (
-    Opaque,
     SubclassLayout,
     flatten,
     is_subclass,
     layout_of,
     rebuild,
-    same_structure,
 )
-from ..signature.subclass_sizes import integer_positions, sizes_match
+from ..signature.subclass_sizes import integer_positions
 from ..trace import analysis
 from . import higher as subclass_higher
 from . import metadata as subclass_metadata
 from . import nested_jagged
+from .crossings import _Gather, _Site, _Spread, _Unwrap, _Wrap
 from .graphs import with_folded_detaches
 from .runtime import build_fused_run, build_run, fusable
 from .trace_rules import SubclassTraceRules
@@ -63,221 +63,6 @@ log = logging.getLogger("aotgrad.subclass")
 
 def any_subclass(leaves: Sequence[Any]) -> bool:
     return any(type(x) is not torch.Tensor and is_subclass(x) for x in leaves if isinstance(x, torch.Tensor))
-
-
-# ---------------------------------------------------------------------------------------------
-# The two autograd boundaries
-
-
-@dataclass(eq=False)
-class _Site:
-    """One subclass crossing the boundary: an argument (index `leaf`) or an output (`output`)."""
-
-    layout: SubclassLayout
-    name: str
-    grad_layout: SubclassLayout | None = None  # argument: the gradient's layout the trace saw arrive
-    # argument whose gradient is nested less deeply than it (or is plain): where each plain part of
-    # the gradient travels among the argument's inner tensors (`gradient_slots`)
-    grad_slots: tuple[int, ...] | None = None
-    tracing: bool = True
-    plain_shapes: list | None = None  # argument: its inner tensors' shapes in the trace
-
-    def flatten_grad(self, grad: torch.Tensor) -> list[torch.Tensor]:
-        """`_Wrap.backward`: the incoming subclass gradient as plain tensors."""
-        got = layout_of(grad)
-        if self.tracing:  # an argument's gradient, as the traced backward computes it
-            if got is not None and not same_structure(got, self.layout) and not self._fits(grad, got):
-                # in the argument's own metadata where the subclass can coerce it (a DTensor
-                # parameter's gradient in the parameter's placements: its local shards then have
-                # the shapes of the argument's inner tensors). Where eager's gradient already
-                # fits (a Partial(sum) gradient of a Replicate argument), it stays eager's: a
-                # coercion would be a collective in the backward the caller did not ask for.
-                grad, got = self._coerce(grad, got, refuse=False)
-            if got is None or got.num_plain != self.layout.num_plain:
-                spread = self._spread_over_slots(grad, got)
-                if spread is not None:
-                    return spread
-                raise UnsupportedInputError(
-                    f"aotgrad: the gradient of {self.name} ({self.layout.describe()}) is "
-                    f"{'a plain tensor' if got is None else got.describe()}, which cannot be split into the "
-                    "argument's inner tensors. Pass the inner tensors as separate inputs."
-                )
-            self.grad_layout = got
-        elif not same_structure(got, self.layout) or not sizes_match(grad.shape, self.layout.outer_size):
-            grad, got = self._coerce(grad, got)
-        out: list = []
-        flatten(grad, got, out)
-        return out
-
-    def _spread_over_slots(self, grad: torch.Tensor, got: SubclassLayout | None) -> list | None:
-        """An argument's gradient nested less deeply than the argument (eager's, from a custom
-        Function's backward): each plain part goes to the first inner tensor of the argument's
-        matching part, the others get none; `rebuild_grad` picks them out again. None where the
-        gradient does not fit so."""
-        slots = gradient_slots(got, self.layout)
-        parts: list = [grad] if got is None else []
-        if got is not None:
-            flatten(grad, got, parts)
-        shapes = self.plain_shapes
-        if slots is None or shapes is None or any(tuple(p.shape) != shapes[k] for k, p in zip(slots, parts)):
-            return None
-        self.grad_layout, self.grad_slots = got, tuple(slots)
-        out: list = [None] * self.layout.num_plain
-        for k, p in zip(slots, parts):
-            out[k] = p
-        return out
-
-    def _fits(self, grad: torch.Tensor, got: SubclassLayout) -> bool:
-        """Whether eager's gradient is kept as it is: a DTensor gradient that is Partial where the
-        argument is Replicate (else the same placements), its local tensor of the argument's shape."""
-        placements = getattr(grad, "placements", None)
-        ctx = self.layout.ctx
-        mine = ctx[0] if isinstance(ctx, tuple) and ctx and isinstance(ctx[0], tuple) else None
-        if placements is None or mine is None or len(mine) != len(placements) or self.plain_shapes is None:
-            return False
-        if not all(p == q or (p.is_partial() and q.is_replicate()) for p, q in zip(placements, mine)):
-            return False
-        out: list = []
-        flatten(grad, got, out)
-        return got.num_plain == self.layout.num_plain and [tuple(t.shape) for t in out] == self.plain_shapes
-
-    def _coerce(self, grad: torch.Tensor, got: SubclassLayout | None, refuse: bool = True) -> tuple:
-        """An incoming gradient of other metadata than the guess: coerced by the subclass itself where
-        it knows how (`__coerce_same_metadata_as_tangent__`: DTensor redistributes), else refused."""
-        coerce = getattr(grad, "__coerce_same_metadata_as_tangent__", None)
-        if got is not None and got.cls is self.layout.cls and coerce is not None:
-            coerced = coerce(self.layout.ctx)
-            if coerced is not None and tuple(coerced.shape) == self.layout.outer_size:
-                new = layout_of(coerced)
-                if new.num_plain == self.layout.num_plain:
-                    return coerced, new
-        if not refuse:
-            return grad, got
-        raise UnsupportedOutputError(
-            f"aotgrad: {self.name} is a {self.layout.describe()}; its incoming gradient is "
-            f"{'a plain tensor' if got is None else got.describe()} {tuple(grad.shape)}, not what the "
-            "compiled backward was traced for (the output's own type and metadata). Pass a gradient "
-            "of the output's type (e.g. torch.ones_like(out)), or call the function eagerly."
-        )
-
-    def rebuild_grad(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """`_Unwrap.backward`: the plain gradients as one subclass gradient."""
-        layout = self.layout if self.tracing else self.grad_layout
-        if self.grad_slots is not None and not self.tracing:  # nested less deeply than the argument
-            grads = [grads[k] for k in self.grad_slots]
-            if None in grads:
-                return None
-            if layout is None:
-                return grads[0]
-        if layout is None:
-            return None
-        if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass/higher.py)
-            zero = subclass_higher.structural_zero(layout, grads)
-            if zero is not None:
-                return zero
-        return rebuild(layout, grads)
-
-
-def gradient_slots(got: SubclassLayout | None, layout: SubclassLayout) -> list[int] | None:
-    """Positions among `layout`'s plain inner tensors for the plain parts of a gradient of layout
-    `got` that is `layout` with some parts less nested (a plain part standing for a whole subclass
-    part goes to that part's first inner tensor). None if `got` is not so."""
-    if got is None:
-        return [0]
-    if got.cls is not layout.cls or got.attrs != layout.attrs:
-        return None
-    slots: list[int] = []
-    pos = 0
-    for mine, theirs in zip(layout.inner, got.inner):
-        if isinstance(mine, Opaque) or isinstance(theirs, Opaque):
-            if not (isinstance(mine, Opaque) and isinstance(theirs, Opaque)):
-                return None
-            continue
-        if theirs is None:
-            slots.append(pos)
-        elif mine is None:
-            return None  # the gradient nests more deeply here
-        else:
-            inner = gradient_slots(theirs, mine)
-            if inner is None:
-                return None
-            slots += [pos + k for k in inner]
-        pos += 1 if mine is None else mine.num_plain
-    return slots
-
-
-class _Wrap(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, site: _Site, *plains):
-        ctx.site = site
-        if site.tracing:
-            site.plain_shapes = [tuple(p.shape) for p in plains]  # its detaches tagged for a differentiable backward (subclass/higher.py)
-            return subclass_higher.crossing(_Wrap._forward, site, plains)
-        # inner tensors without grad kept as they are: a NestedTensor output then shares its
-        # argument's offsets, hence its nested int, as in eager
-        return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
-
-    @staticmethod
-    def _forward(site: _Site, plains):
-        return rebuild(site.layout, [p.detach() if p.requires_grad else p for p in plains])
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph=True: flattened as autograd records (subclass/higher.py)
-            return (None, *subclass_higher.wrap_backward(ctx.site, grad))
-        return (None, *ctx.site.flatten_grad(grad))
-
-
-class _Unwrap(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, site: _Site, t):
-        ctx.site = site
-        if site.tracing:  # its detaches tagged for a differentiable backward (subclass/higher.py)
-            return subclass_higher.crossing(_Unwrap._forward, ctx, site, t)
-        return _Unwrap._forward(ctx, site, t)
-
-    @staticmethod
-    def _forward(ctx, site: _Site, t):
-        plains: list = []
-        flatten(t, site.layout, plains)
-        # aliases: the caller's inner tensors keep their autograd state; integer ones (a NestedTensor's
-        # offsets) are passed as they are and make the gradient's (its nested int is eager's)
-        integer = site.__dict__.get("integer_inner")  # per site: dtypes are in the signature
-        if integer is None:
-            integer = site.integer_inner = integer_positions(plains)
-        if not integer:
-            return tuple(p.detach() for p in plains)
-        ctx.kept_inner = [p if k in integer else None for k, p in enumerate(plains)]
-        return tuple(p if k in integer else p.detach() for k, p in enumerate(plains))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        kept = getattr(ctx, "kept_inner", None)
-        if kept is not None:
-            grads = [g if m is None else m for g, m in zip(grads, kept)]
-        if torch.is_grad_enabled():  # create_graph=True: rebuilt as autograd records (subclass/higher.py)
-            return None, subclass_higher.unwrap_backward(ctx.site, grads)
-        return None, ctx.site.rebuild_grad(grads)
-
-
-class _Gather(_Wrap):
-    """Trace side of a plain argument whose gradient is a subclass: the value is the first of its
-    plain stand-ins; the subclass gradient is flattened onto all of them."""
-
-    @staticmethod
-    def forward(ctx, site: _Site, *plains):
-        ctx.site = site
-        return subclass_higher.crossing(plains[0].detach) if site.tracing else plains[0].detach()
-
-
-class _Spread(_Unwrap):
-    """Run-time side of `_Gather`: the caller's plain argument passed once per plain gradient; their
-    gradients are rebuilt into the subclass gradient eager gives it."""
-
-    @staticmethod
-    def forward(ctx, site: _Site, t):
-        ctx.site = site
-        return tuple(t.detach() for _ in range(site.layout.num_plain))
 
 
 class NeedsGradSpread(AotgradError):
@@ -587,7 +372,10 @@ class Boundary:
                 )
             if m.in_backward:  # the plain backward writes the caller's inner tensors; the version: run time
                 self.written_in_backward.add(i)
-            if not isinstance(src, FromLeaf) or m.storage:  # metadata: subclass_metadata
+            # a data write into an argument sharing memory with another (the plain stage passes their
+            # inner tensors through one base, and writes the base back): as plain arguments
+            shared_data_only = not isinstance(src, FromLeaf) and m.data and not m.metadata
+            if (not isinstance(src, FromLeaf) and not shared_data_only) or m.storage:  # metadata: subclass_metadata
                 raise UnsupportedMutationError(
                     f"aotgrad: the program changes the metadata or storage of subclass input {i} "
                     f"({self.layouts[i].describe()}) in place (or it shares memory with another input); "
@@ -634,7 +422,7 @@ class Boundary:
                     "program modifies it in place in grad mode, which eager refuses. Modify it under "
                     "torch.no_grad(), or mutate a clone."
                 )
-            if x._is_view() or i in aliased or shared or i in self.unclear_history:
+            if i in aliased or shared or i in self.unclear_history:
                 raise UnsupportedMutationError(
                     f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad (or is given it) "
                     "and the program modifies it in place while it is a view, shares memory with another "
@@ -708,8 +496,12 @@ def _storages(x: Any) -> set:
 def _writes_all_recorded(node, start, bumps: int) -> bool:
     """Whether the argument's new history is one node per version bump back to `start` (its grad_fn
     before the program): every in-place op on it ran in grad mode."""
-    if start is None:
-        return bumps == 1
+    if start is None:  # no history before: each write's node leads to the previous by its first edge
+        for _ in range(bumps):
+            if node is None:
+                return False
+            node = node.next_functions[0][0] if node.next_functions else None
+        return node is None
     frontier, seen = [(node, 0)], set()
     while frontier:
         n, depth = frontier.pop(0)
@@ -802,6 +594,24 @@ def _replay(base: torch.Tensor, chain: ViewChain) -> torch.Tensor:
     return value
 
 
+def _aliasing_refusal(boundary: Boundary, leaves: list) -> AotgradError | None:
+    """Subclass arguments requiring grad that share memory with another argument, one of them
+    written: their inner tensors reach the plain stage as detached aliases, without the autograd
+    base that would let it rebase their histories as eager does."""
+    storages = [_storages(x) for x in leaves]
+    names = [i for i, lay in enumerate(boundary.layouts) if lay is not None and boundary.requires_grad[i]
+             and any(storages[i] & storages[j] for j in range(len(leaves)) if j != i)]
+    if not names:
+        return None
+    return UnsupportedAliasingError(
+        f"aotgrad: subclass inputs {names} require grad and share memory with another input, and the "
+        "program writes into one of them; aotgrad passes such inputs' inner tensors without their common "
+        "autograd base, so it cannot replay the write on the others as eager does (one view of a base "
+        "that is not passed is fine, and inputs that do not require grad are). Pass the base once and "
+        "take the views inside the function."
+    )
+
+
 def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: Callable) -> Callable:
     """Compile a call with subclass arguments: the plain pipeline over their inner tensors, with the
     boundary's prologue/epilogue around its run time."""
@@ -819,6 +629,8 @@ def compile_signature(fn: Callable, leaves: list, spec, config, compile_plain: C
         try:
             run_plain = compile_plain(boundary.plain_function(fn), plain_leaves, plain_spec, plain_config)
             break
+        except UnsupportedAliasingError as e:  # said of the plain inputs: say it of the caller's
+            raise _aliasing_refusal(boundary, leaves) or e from e
         except NeedsGradSpread as e:  # a plain argument whose gradient is a subclass
             if e.leaf in spread:
                 raise
