@@ -198,6 +198,28 @@ def run_both(fn, make_inputs, compiler=nop, backward=True, **aot_kwargs):
     return compiled, got, ours_in
 
 
+def check_nonleaf_subclass_argument(fn, *shape, calls=3):
+    """`fn` over a TwoTensor computed from a leaf requiring grad (a non-leaf with history), eagerly
+    and compiled, over `calls` calls of one compiled function: outputs, the argument after the call,
+    its version and the leaf's gradient of every output and the argument itself."""
+    compiled = aotgrad.aot_function(fn, nop)
+    for seed in range(calls):
+        results = []
+        for run in (fn, compiled):
+            torch.manual_seed(seed)
+            root = two(*shape)
+            arg = root * 2
+            outs = pytree.tree_leaves(run(arg))
+            loss = sum(o.exp().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
+            results.append((outs, arg, arg._version, torch.autograd.grad(loss + arg.sum(), root)[0]))
+        (eo, ea, ev, eg), (go, ga, gv, gg) = results
+        for k, (g, e) in enumerate(zip(go, eo)):
+            assert_same(g, e, f"output {k}")
+        assert_same(ga, ea, "argument after the call")
+        assert gv == ev, "version"
+        assert_same(gg, eg, "gradient")
+
+
 def two(*shape, requires_grad=True):
     t = TwoTensor(torch.randn(*shape), torch.randn(*shape))
     return t.requires_grad_() if requires_grad else t

@@ -14,6 +14,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers import check_nonleaf_subclass_argument
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils import _pytree as pytree
 
@@ -331,15 +332,13 @@ def test_leaf_requiring_grad_in_grad_mode_refused_like_eager():
         aotgrad.aot_function(f, nop)(_two((2, 3), requires_grad=True)[1])
 
 
-def test_nonleaf_requiring_grad_viewed_by_an_output_refused_by_name():
-    """Its new history is rebased (below); a view of it as an output too is not supported."""
+def test_nonleaf_requiring_grad_viewed_by_an_output():
+    """Its new history is rebased (below), and the output views it after that, as eager's."""
     def f(x):
         x.t_()
         return x[0]
 
-    f(_two((2, 3), requires_grad=True, nonleaf=True)[1])  # eager allows it
-    with pytest.raises(UnsupportedMutationError, match="subclass input 0 .*viewed by an output"):
-        aotgrad.aot_function(f, nop)(_two((2, 3), requires_grad=True, nonleaf=True)[1])
+    check_nonleaf_subclass_argument(f, 2, 3)
 
 
 def test_plain_argument_whose_gradient_is_a_subclass_refused_by_name():

@@ -129,3 +129,28 @@ def test_a_subclass_input_without_history_written_twice_in_grad_mode():
             results.append((out, x, torch.autograd.grad(out.sum() + x.sum(), w)[0]))
         for what, e, g in zip(("output", "x", "gradient of w"), *results):
             assert_same(g, e, what)
+
+
+def _write_then_view_out(a):
+    a.clamp_(-0.5, 0.5)
+    v = a.split(1, 1)[2].permute(1, 0)
+    return v, v, a.detach()
+
+
+def test_outputs_viewing_a_subclass_input_written_in_grad_mode():
+    """(Was refused: "viewed by an output".) The views are taken of the caller's argument after its
+    history is rebased, so they carry the new history as eager's do (the fuzzer's --subclass
+    --seed 23 program 17)."""
+    compiled = aotgrad.aot_function(_write_then_view_out, aotgrad.nop)
+    for seed in range(3):
+        results = []
+        for fn in (_write_then_view_out, compiled):
+            torch.manual_seed(seed)
+            r = _two(2, 3)
+            a = r * 1
+            v, w, d = fn(a)
+            assert v._is_view() and v._base is a
+            grad = torch.autograd.grad(v.sum() * 2 + w.exp().sum() + a.sum(), r)[0]
+            results.append((v, w, d, a, grad, a._version))
+        for what, e, g in zip(("view", "view again", "detached", "argument", "gradient", "version"), *results):
+            assert_same(g, e, what)

@@ -395,19 +395,11 @@ class Boundary:
         """Writes into a subclass argument requiring grad (or given history by one). A write autograd
         does not see (under no_grad, through .detach()) changes data only, as in eager: it reaches the
         caller's inner tensors, the history stays. A write in grad mode: into a leaf requiring grad
-        it is refused, as eager refuses it; a non-leaf has its history rebased by the run time
-        (subclass_runtime._Rebase), where nothing else aliases it: not a view, not passed twice or
-        sharing memory with another argument, not viewed by an output (returned itself is fine)."""
+        it is refused, as eager refuses it; a non-leaf (a view too) has its history rebased by the run
+        time (subclass_runtime._Rebase), before the outputs viewing it are taken, where it shares memory
+        with no other argument and each write was one autograd node."""
         if not torch.is_grad_enabled():  # a call under no_grad (an optimizer step): data writes only
             return
-        aliased = {o.leaf for o in self.outputs if isinstance(o, ViewOfLeafOut)}
-        if plan is not None:  # plain outputs aliasing an argument's inner tensors (through .detach())
-            leaf_of_plain = {p: i for i in self.sites for p in range(*self.ranges[i])}
-            for src in plan.out_sources:
-                k = getattr(src, "primal", None)
-                k = plan.layout.primal_sources[k].leaf if k is not None else getattr(src, "leaf", None)
-                if k in leaf_of_plain:
-                    aliased.add(leaf_of_plain[k])
         storages = [_storages(x) for x in leaves]
         for i in mutated:
             x = leaves[i]
@@ -422,13 +414,13 @@ class Boundary:
                     "program modifies it in place in grad mode, which eager refuses. Modify it under "
                     "torch.no_grad(), or mutate a clone."
                 )
-            if i in aliased or shared or i in self.unclear_history:
+            if shared or i in self.unclear_history:
                 raise UnsupportedMutationError(
                     f"aotgrad: subclass input {i} ({self.layouts[i].describe()}) requires grad (or is given it) "
-                    "and the program modifies it in place while it is a view, shares memory with another "
-                    "input, or is viewed by an output; aotgrad rebases a subclass's history only without "
-                    "those, and writes data into one only where it shares memory with no other input. "
-                    "Clone it first."
+                    "and the program modifies it in place while it shares memory with another input, or "
+                    "with writes autograd does not record (no_grad, .detach(), metadata only) beside "
+                    "writes it records; aotgrad rebases a subclass's history only where it shares memory "
+                    "with no other input and autograd recorded each write. Clone it first."
                 )
 
     def runner(self, run_plain: Callable, mutated: list[int], examples: Sequence[Any] = (),
