@@ -201,3 +201,22 @@ def test_a_cache_hit_asks_for_cuda_graphs_too(tmp_path, monkeypatch, caplog):
         assert counters["inductor"]["cudagraph_skips"] == 1
         assert any("cpu tensors" in m for m in _skips(caplog, logging.WARNING) + _skips(caplog, logging.DEBUG))
     assert aotgrad.cache_stats()["hits"] == 1
+
+
+def test_graphs_compiled_inside_a_backward_run_without_cuda_graphs(caplog):
+    """create_graph=True: the differentiable backward's graphs compile while the backward runs; the
+    trees would take them for a new forward in the middle of it."""
+    caplog.set_level(logging.DEBUG, logger="aotgrad.inductor")
+
+    def f(x, w):
+        return (x @ w).tanh().square().sum()
+
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    we = w.detach().clone().requires_grad_()
+    (g,) = torch.autograd.grad(torch.compile(f, backend="aotgrad", mode="reduce-overhead")(x, w), w, create_graph=True)
+    (ge,) = torch.autograd.grad(f(x, we), we, create_graph=True)
+    torch.testing.assert_close(g, ge)
+    g.square().sum().backward()
+    ge.square().sum().backward()
+    torch.testing.assert_close(w.grad, we.grad)
+    assert any("create_graph" in m for m in _skips(caplog)), _skips(caplog)

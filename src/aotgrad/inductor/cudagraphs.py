@@ -122,6 +122,11 @@ def forward_kwargs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stat
     if not is_inference:
         link(gm, pair=pair)
     pair.cudagraphs = BoxedBool(wanted())
+    if pair.cudagraphs.value and torch._C._current_graph_task_id() != -1:
+        # compiled while a backward runs: a differentiable backward's graphs (create_graph=True),
+        # which the trees would record as a new forward in the middle of the backward they run
+        BoxedBool.disable(pair.cudagraphs)
+        say("inference" if is_inference else "forward", "a graph that a backward with create_graph=True runs")
     n = len(gm.graph.find_nodes(op="placeholder"))
     idxs = []  # only with CUDA graphs: elsewhere Inductor would skip the alignment check of these inputs
     if pair.cudagraphs.value and static is not None and len(example_inputs) == n:
