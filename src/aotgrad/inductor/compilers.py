@@ -166,6 +166,19 @@ class _InductorCompilers:
         with patched, V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
             yield ctx
 
+    def _cudagraph_kwargs(self, gm, kind: str, primals, forward, visible) -> tuple[dict, list[int]]:
+        """CUDA graphs for this graph (inductor/cudagraphs.py): `compile_fx_inner`'s arguments, and
+        for a forward the backward inputs that will be static (read before Inductor rewrites it)."""
+        if kind == "backward":
+            graph_kwargs = cudagraphs.backward_kwargs(gm, forward)
+        else:
+            graph_kwargs = cudagraphs.forward_kwargs(gm, list(primals), self.static_inputs,
+                                                     is_inference=kind == "inference")
+        saved = cudagraphs.static_saved(gm, visible, graph_kwargs["static_input_idxs"]) if kind == "forward" else []
+        log.debug("aotgrad: %s graph %s to compile_fx_inner: cudagraphs=%s static_input_idxs=%s", kind,
+                  self.graph_id, graph_kwargs["cudagraphs"].value, graph_kwargs["static_input_idxs"])
+        return graph_kwargs, saved
+
     def _compile(self, gm, *, visible, is_inference, is_backward, primals=(), forward=None) -> Callable:
         from torch._guards import TracingContext
         from torch._inductor.compile_fx import compile_fx_inner
@@ -176,17 +189,10 @@ class _InductorCompilers:
         n = len(outs) if visible is None else visible
         # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
         out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
+        kind = "backward" if is_backward else "inference" if is_inference else "forward"
         with self._context(example, self.patches if is_backward else self.forward_patches):
-            if is_backward:
-                graph_kwargs = cudagraphs.backward_kwargs(gm, forward)
-            else:
-                graph_kwargs = cudagraphs.forward_kwargs(gm, list(primals), self.static_inputs, is_inference=is_inference)
+            graph_kwargs, saved = self._cudagraph_kwargs(gm, kind, primals, forward, visible)
             requested = graph_kwargs["cudagraphs"].value
-            saved = [] if is_inference or is_backward else cudagraphs.static_saved(
-                gm, visible, graph_kwargs["static_input_idxs"])
-            log.debug("aotgrad: %s graph %s to compile_fx_inner: cudagraphs=%s static_input_idxs=%s",
-                      "backward" if is_backward else "inference" if is_inference else "forward", self.graph_id,
-                      graph_kwargs["cudagraphs"].value, graph_kwargs["static_input_idxs"])
             with TracingContext.report_output_strides() as strides:
                 compiled = compile_fx_inner(
                     gm,
@@ -196,13 +202,12 @@ class _InductorCompilers:
                     is_backward=is_backward,
                     **graph_kwargs,
                 )
-            kind = "backward" if is_backward else "inference" if is_inference else "forward"
             cudagraphs.report(kind, requested, compiled, graph_kwargs)
-            if not is_inference and not is_backward:
+            if saved:
                 gm.meta[cudagraphs.STATIC_SAVED] = saved
-                if strides is not None:
-                    # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
-                    gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
+            if kind == "forward" and strides is not None:
+                # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
+                gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
         return compiled
 
 
