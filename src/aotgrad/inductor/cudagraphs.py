@@ -122,9 +122,9 @@ def forward_kwargs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stat
     if not is_inference:
         link(gm, pair=pair)
     pair.cudagraphs = BoxedBool(wanted())
-    if pair.cudagraphs.value and torch._C._current_graph_task_id() != -1:
-        # compiled while a backward runs: a differentiable backward's graphs (create_graph=True),
-        # which the trees would record as a new forward in the middle of the backward they run
+    if pair.cudagraphs.value and _in_differentiable_backward():
+        # a differentiable backward's graphs, which the trees would record as a new forward in the
+        # middle of the backward they run
         BoxedBool.disable(pair.cudagraphs)
         say("inference" if is_inference else "forward", "a graph that a backward with create_graph=True runs")
     n = len(gm.graph.find_nodes(op="placeholder"))
@@ -132,6 +132,11 @@ def forward_kwargs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stat
     if pair.cudagraphs.value and static is not None and len(example_inputs) == n:
         idxs = static.indices(example_inputs)
     return {"cudagraphs": pair.cudagraphs, "static_input_idxs": idxs, "boxed_forward_device_index": pair.device}
+
+
+def _in_differentiable_backward() -> bool:
+    """A backward with create_graph=True is running (autograd runs a backward without it under no_grad)."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
 
 
 def static_saved(fw: torch.fx.GraphModule, num_fw_outputs: int | None, static_idxs: Sequence[int]) -> list[int]:
