@@ -158,6 +158,8 @@ def test_backward_shares_its_forwards_box():
     with torch._inductor.config.patch({"triton.cudagraphs": True}):
         fwd = cudagraphs.forward_kwargs(fw, [torch.randn(2)], cudagraphs.StaticInputs(), is_inference=False)
     fw.meta[cudagraphs.STATIC_SAVED] = [0]
+    assert cudagraphs.backward_kwargs(bw, fw)["cudagraphs"].value is False  # Inductor has not wrapped the forward
+    fwd["boxed_forward_device_index"].set(0)  # as Inductor's post-compile does when it wraps the forward
     bwd = cudagraphs.backward_kwargs(bw, fw)
     assert bwd["cudagraphs"] is fwd["cudagraphs"] and bwd["boxed_forward_device_index"] is fwd["boxed_forward_device_index"]
     assert bwd["static_input_idxs"] == [0]

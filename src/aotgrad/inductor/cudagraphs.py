@@ -161,13 +161,15 @@ def static_saved(fw: torch.fx.GraphModule, num_fw_outputs: int | None, static_id
 
 def backward_kwargs(bw: torch.fx.GraphModule, fw: Any) -> dict:
     """`compile_fx_inner`'s CUDA-graph arguments for a backward: its forward's box (off where the
-    forward has none, or where no forward is known), its saved static inputs as static."""
+    forward's graphs are not wrapped, or no forward is known), its saved static inputs as static."""
     from torch._inductor.utils import BoxedBool
 
     pair = pair_of(bw)
-    if pair is None or pair.cudagraphs is None:
+    if pair is None or pair.cudagraphs is None or (pair.cudagraphs.value and pair.device.value is None):
+        # no forward known, or Inductor did not wrap it (a graph without ops): the trees would have
+        # no device or generation to record this backward under
         if wanted():
-            log.debug("aotgrad: a backward whose forward is unknown runs without CUDA graphs")
+            log.debug("aotgrad: a backward whose forward has no CUDA graphs runs without them")
         return {"cudagraphs": BoxedBool(False), "static_input_idxs": [], "boxed_forward_device_index": None}
     saved = []
     if pair.cudagraphs.value:
@@ -189,7 +191,12 @@ def report(kind: str, requested: bool, compiled: Any, kwargs: dict) -> None:
     info = getattr(compiled, "cudagraph_info", None)
     if not reason and info is not None and info.cudagraph_fail_reasons:
         reason = ", ".join(info.cudagraph_fail_reasons)
-    say(kind, reason or "Inductor turned them off", said_by_inductor="cuda" in devices)
+    if reason:
+        say(kind, reason, said_by_inductor="cuda" in devices)
+    elif getattr(compiled, "partition_maps", None) == []:  # Inductor turns these off without a word
+        say(kind, "no CUDA kernels to record (the graph has no partition for CUDA graphs)")
+    else:
+        say(kind, "Inductor turned them off")
 
 
 def say(kind: str, reason: str, *, said_by_inductor: bool = False) -> None:
