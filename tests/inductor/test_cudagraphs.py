@@ -222,3 +222,43 @@ def test_graphs_compiled_inside_a_backward_run_without_cuda_graphs(caplog):
     ge.square().sum().backward()
     torch.testing.assert_close(w.grad, we.grad)
     assert any("create_graph" in m for m in _skips(caplog)), _skips(caplog)
+
+
+def _clearing(gm, example_inputs):
+    """A compiler whose graphs take their inputs as cudagraph trees do: the list, emptied once read."""
+
+    def run(args):
+        out = gm(*args)
+        args.clear()
+        return out
+
+    run._boxed_call = True
+    return run
+
+
+def test_the_run_time_hands_each_graph_a_list_it_may_empty():
+    """Cudagraph trees empty the input list they are given (so the inputs can be freed); the
+    generated run time must not read a list after handing it over: forward, backward, inference,
+    with an input mutation, a view output and a saved input."""
+
+    def f(x, y, buf):
+        buf.add_(1)
+        z = (x * y).sin()
+        return z.sum(), z.t(), x.view(-1)
+
+    be = aotgrad.backend(fw_compiler=_clearing, bw_compiler=_clearing, inference_compiler=_clearing)
+    cf = torch.compile(f, backend=be)
+    for grad in (True, False):
+        x, y = torch.randn(3, 4, requires_grad=grad), torch.randn(3, 4, requires_grad=grad)
+        xe, ye = (t.detach().clone().requires_grad_(grad) for t in (x, y))
+        buf, bufe = torch.zeros(2), torch.zeros(2)
+        with torch.set_grad_enabled(grad):
+            outs, refs = cf(x, y, buf), f(xe, ye, bufe)
+        for o, r in zip(outs, refs):
+            torch.testing.assert_close(o, r)
+        torch.testing.assert_close(buf, bufe)
+        if grad:
+            (outs[0] + outs[1].square().sum()).backward()
+            (refs[0] + refs[1].square().sum()).backward()
+            torch.testing.assert_close(x.grad, xe.grad)
+            torch.testing.assert_close(y.grad, ye.grad)
