@@ -64,6 +64,12 @@ BACKENDS = {"inductor": {"aotgrad": "aotgrad", "inductor": "inductor"},
 COMPILED = ("aotgrad", "inductor")
 
 
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def _backend(name: str):
     """aotgrad's backends as objects: on a GPU machine the package may run from src/ without being
     installed, so its `torch_dynamo_backends` entry points are not there."""
@@ -83,6 +89,9 @@ class Variant:
     peak_bytes: int | None = None
     error: str | None = None
     trace: str | None = None  # the failure's traceback, for --json (what a GPU run brings back to diagnose)
+    # graphs that ran without CUDA graphs under mode="reduce-overhead" (Inductor's counter, over the
+    # first step, where graphs compile, and the warm-up, where cudagraph trees record)
+    cudagraph_skips: int = 0
 
     def median_ms(self) -> float | None:
         if not self.step_ms:
@@ -256,10 +265,11 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
         try:
             with _fresh_inductor_cache():
                 _sync(device)
-                t0 = time.perf_counter()
+                skips, t0 = _cudagraph_skips(), time.perf_counter()
                 loss = trainers[v].step(sm.batches[0])
                 _sync(device)
                 variant.first_step_s = time.perf_counter() - t0
+                variant.cudagraph_skips += _cudagraph_skips() - skips
             variant.losses.append(float(loss))
         except Exception as e:
             variant.error, variant.trace = _error(e), traceback.format_exc(limit=-12)
@@ -279,9 +289,11 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
                 live.remove(v)
     for v in list(live):  # warm-up beyond the loss steps (CUDA graphs record on the first calls)
         try:
+            skips = _cudagraph_skips()
             for _ in range(args.warmup):
                 trainers[v].step(sm.batches[-1])
             _sync(device)
+            row.variants[v].cudagraph_skips += _cudagraph_skips() - skips
         except Exception as e:
             row.variants[v].error = _error(e)
             live.remove(v)
@@ -325,6 +337,7 @@ def report(rows: list[Row], device: torch.device) -> str:
         notes = [f"{k}: {v.error}" for k, v in r.variants.items() if v.error] + ([r.error] if r.error else [])
         if r.mode:
             notes.insert(0, f"mode={r.mode}")
+            notes += [f"{k}: {v.cudagraph_skips} CUDA-graph skips" for k, v in r.variants.items() if v.cudagraph_skips]
         if r.first_order:
             notes.append("first: " + " then ".join(r.first_order))
         lines.append([r.model, r.source, r.shape, "PASS" if r.passed() else "FAIL",

@@ -173,6 +173,65 @@ def inductor_block_dynamic():
         close(w.grad, we.grad, f"grad n={n}", atol=1e-4)
 
 
+def _recorded_graphs() -> int:
+    """CUDA graphs recorded by Inductor's cudagraph trees on this device (every node of every tree)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    if manager is None:
+        return 0
+    nodes = [n for ns in manager.roots.values() for n in ns]
+    count = 0
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        nodes += [c for cs in node.children.values() for c in cs]
+    return count
+
+
+@check
+def reduce_overhead_train_step():
+    """mode="reduce-overhead": train steps of a small MLP with BatchNorm (buffers written by the
+    forward) and an inference call match eager; the forward and backward are recorded as CUDA graphs
+    with no skip, and the parameters and buffers are static inputs (not among those copied in)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    me = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                       nn.Linear(64, 8)).to(DEV)
+    mc = copy.deepcopy(me)
+    cm = torch.compile(mc, backend="aotgrad", mode="reduce-overhead")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (me, mc)]
+    for step in range(6):
+        x = torch.randn(16, 32, device=DEV)
+        losses = []
+        for call, opt in ((me, opts[0]), (cm, opts[1])):
+            loss = call(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+        close(losses[1], losses[0], f"loss step {step}", atol=1e-4, rtol=1e-3)
+    close(list(mc.parameters()), list(me.parameters()), "params", atol=1e-4, rtol=1e-3)
+    close(list(mc.buffers()), list(me.buffers()), "buffers", atol=1e-4, rtol=1e-3)
+    with torch.no_grad():
+        x = torch.randn(16, 32, device=DEV)
+        for _ in range(3):
+            close(cm(x).clone(), me(x), "inference", atol=1e-4, rtol=1e-3)
+    if DEV == "cuda":
+        skips = counters["inductor"]["cudagraph_skips"]
+        assert skips == 0, f"{skips} CUDA-graph skips (see the 'skipping cudagraphs' / aotgrad.inductor.cudagraphs log)"
+        recorded = _recorded_graphs()
+        assert recorded >= 3, f"{recorded} CUDA graphs recorded; expected the forward, backward and inference"
+        copied = counters["inductor"]["cudagraph_recorded_non_static_inputs"]
+        n_state = len(list(mc.parameters())) + len(list(mc.buffers()))
+        assert copied < n_state, f"{copied} inputs copied in per recording: parameters/buffers not static?"
+
+
 @check
 def autocast_region():
     torch._dynamo.reset()

@@ -80,6 +80,7 @@ from ..inductor.compilers import (
     inductor_config_patches,
 )
 from ..inductor.context import BackendCompileError, _compile_context, _describe_failure, _must_propagate
+from ..inductor.cudagraphs import StaticInputs, static_leaf_positions
 from ..partition.default import default_partition
 from ..runtime.input_checks import InputsChecked
 from ..signature.inputs import alias_key, is_wrapper
@@ -210,14 +211,6 @@ class AotgradBackend:
             )
             return self
         patches = inductor_config_patches(mode, options)
-        if patches.get("triton.cudagraphs") and any(
-            isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs
-        ):
-            warnings.warn(
-                "aotgrad backend: CUDA graphs (mode='reduce-overhead' / 'max-autotune', or "
-                "triton.cudagraphs) are not captured by aotgrad; compiling without them.",
-                stacklevel=3,
-            )
         chosen = copy.copy(self)
         chosen.inductor_patches = patches
         return chosen
@@ -251,10 +244,11 @@ class AotgradBackend:
         chosen.forward_inductor_patches = {**self.forward_inductor_patches, "size_asserts": False}
         return chosen
 
-    def _aot_config(self, symbolic: bool) -> AOTConfig:
+    def _aot_config(self, symbolic: bool, static: StaticInputs | None = None) -> AOTConfig:
+        """`static`: the parameters and buffers among the leaves (for CUDA graphs)."""
         partition = self._partition_fn()
         if self.use_inductor:
-            compilers = inductor_compilers(self.inductor_patches, self.forward_inductor_patches)
+            compilers = inductor_compilers(self.inductor_patches, self.forward_inductor_patches, static)
             fw, bw, inf = compilers.forward, compilers.backward, compilers.inference
             partition = compilers.partition(partition)
             with self._inductor_patches():  # the table depends on a few Inductor options
@@ -294,12 +288,16 @@ class AotgradBackend:
         names, state = _named_state(gm)
         fn = _functional_call(gm, names, len(state)) if state else gm
         leaves = _fake_state(state, fakes) + fakes
+        static_at = static_leaf_positions(gm, len(state), example_inputs)
+        # the fakes traced now, and the real tensors a per-shape compile traces later
+        static = StaticInputs([leaves[i] for i in static_at] + list(state)
+                              + [example_inputs[i - len(state)] for i in static_at if i >= len(state)])
         symbolic = any(_is_symbolic(x) for x in leaves)
         run = None
         sizes_checked = not symbolic and self._input_sizes_checkable_per_call(leaves)
         if not symbolic:
             compiler = self._without_forward_size_asserts() if sizes_checked else self
-            run = compiler._compile_now(fn, leaves, symbolic=False, probe=probe)
+            run = compiler._compile_now(fn, leaves, symbolic=False, probe=probe, static=static)
         elif config.symbolic_shapes:
             # A SymInt input whose symbol no tensor size carries (an int argument Dynamo made
             # dynamic) gets an "anchor": a zero-stride tensor of that size, a free view at run time,
@@ -311,7 +309,7 @@ class AotgradBackend:
                 sym_leaves = leaves + _fake_anchors(leaves, anchored)
             if _sizes_determined(sym_leaves):
                 try:
-                    run = self._compile_now(sym_fn, sym_leaves, symbolic=True)
+                    run = self._compile_now(sym_fn, sym_leaves, symbolic=True, static=static)
                 except Exception as e:  # e.g. an aliasing output whose view chain needs concrete sizes
                     if _must_propagate(e):
                         raise
@@ -329,7 +327,7 @@ class AotgradBackend:
             # Concrete shapes: compiled per signature through aotgrad's own cache and guards. The
             # current shapes are compiled now, so errors surface here, not at the first call.
             _specialise_dynamic_floats(gm)
-            per_shape = _PerShape(fn, self._aot_config(False))
+            per_shape = _PerShape(fn, self._aot_config(False, static))
             per_shape.prepare(list(state) + concrete_values(example_inputs))
             run = per_shape
         elif sizes_checked or _plan_depends_on_aliasing(run.plan):
@@ -337,7 +335,7 @@ class AotgradBackend:
             # per signature for calls that fail: the sizes of inputs when the compiled forward does
             # not assert them, and, when the plan mutates inputs (or merged aliased inputs), that
             # the inputs alias each other as they did at compile time.
-            run = InputsChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False)),
+            run = InputsChecked(run, leaves, lambda: _PerShape(fn, self._aot_config(False, static)),
                                 check_sizes=sizes_checked, check_aliasing=_plan_depends_on_aliasing(run.plan),
                                 sizes_fixed=not symbolic and (sizes_checked or self._compiled_code_asserts_input_sizes()))
         return _no_dynamo(_bind_state(run, state))
@@ -365,12 +363,13 @@ class AotgradBackend:
             and tensor_guards_check_sizes()
         )
 
-    def _compile_now(self, fn, leaves: list, *, symbolic: bool, probe: cache.Probe | None = None) -> Callable:
+    def _compile_now(self, fn, leaves: list, *, symbolic: bool, probe: cache.Probe | None = None,
+                     static: StaticInputs | None = None) -> Callable:
         spec = pytree.tree_flatten((tuple(leaves), {}))[1]
         with _compile_context(leaves):
             if probe is not None:  # the on-disk cache: load, or compile and store
-                return probe.compile(self, compile_signature, fn, leaves, spec, self._aot_config(symbolic))
-            return compile_signature(fn, leaves, spec, self._aot_config(symbolic))
+                return probe.compile(self, compile_signature, fn, leaves, spec, self._aot_config(symbolic, static))
+            return compile_signature(fn, leaves, spec, self._aot_config(symbolic, static))
 
 
 def _taking_lists(compile_flat: Callable, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:

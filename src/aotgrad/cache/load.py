@@ -68,6 +68,7 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
     from ..api import CompiledFunction
     from ..compile.compile import _aot_ids
     from ..compile.compilers import boxed, naming
+    from ..inductor import cudagraphs
     from ..inductor.compilers import inductor_compilers, link_backward
     from ..runtime.runner import build_runner
     from ..signature.inputs import primal_values
@@ -78,14 +79,17 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
     if backend is not None and backend.use_inductor:
         compilers = inductor_compilers(backend.inductor_patches, backend.forward_inductor_patches)
     graphs = _Graphs(entry, leaves)
+    pair = cudagraphs.Pair()  # the forward's CUDA-graph box and device, shared with its backward
     aot_id = next(_aot_ids)
     kind = "forward" if entry.training else "inference"
     with naming(kind, aot_id):
         if entry.forward.inductor_key is not None and compilers is not None:
-            forward = load_inductor(compilers, entry.forward, kind, primals)
+            forward = load_inductor(compilers, entry.forward, kind, primals, pair)
         else:
             compiler = config.fw_compiler if entry.training else config.inference_compiler
-            forward = compiler(graphs.forward(), primals)
+            fw_module = graphs.forward()
+            cudagraphs.link(fw_module, pair=pair)  # its backward, if compiled later, shares the box
+            forward = compiler(fw_module, primals)
     forward = boxed(forward)
     common = dict(written_in_place=entry.written_in_place, aot_id=aot_id, facts=entry.facts, load_fw=graphs.forward)
     if not entry.training:
@@ -94,12 +98,12 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
         backward = None
         if entry.backward.inductor_key is not None and compilers is not None:
             with naming("backward", aot_id):
-                backward = boxed(load_inductor(compilers, entry.backward, "backward", primals))
+                backward = boxed(load_inductor(compilers, entry.backward, "backward", primals, pair))
 
         def load_bw() -> torch.fx.GraphModule:
             bw = graphs.backward()
             # The backward compiler restrides saved values as Inductor chose for the forward.
-            link_backward(bw, types.SimpleNamespace(meta=dict(entry.fw_meta)))
+            link_backward(bw, types.SimpleNamespace(meta=dict(entry.fw_meta)), pair)
             return bw
 
         def backward_compiled(gm, artifact) -> None:  # not a backward re-traced under autocast
@@ -163,18 +167,19 @@ def _load(record: GraphRecord, what: str, fake_mode) -> torch.fx.GraphModule:
     return load_graph(record.graph, fake_mode)
 
 
-def load_inductor(compilers: Any, record: GraphRecord, kind: str, primals: list) -> Callable:
+def load_inductor(compilers: Any, record: GraphRecord, kind: str, primals: list, pair: Any = None) -> Callable:
     """Inductor's compiled code for one graph, loaded by its FX-graph cache key (the stored guards
-    must match exactly), then Inductor's post-compile steps as `compile_fx_inner` runs them."""
+    must match exactly), then Inductor's post-compile steps as `compile_fx_inner` runs them: CUDA
+    graphs as a cold compile would choose them (a backward shares its forward's `pair`)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.codecache import FxGraphCache
     from torch._inductor.output_code import CompiledFxGraphConstants
-    from torch._inductor.utils import BoxedBool
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    from ..inductor import cudagraphs
     from ..inductor.compilers import _mode_of
 
     fake_mode = _mode_of(primals)
@@ -192,8 +197,28 @@ def load_inductor(compilers: Any, record: GraphRecord, kind: str, primals: list)
                 f"Inductor's compiled code for the {kind} graph (FX-graph key {record.inductor_key[:16]}) is "
                 f"not in its cache ({info.get('cache_status_detailed', 'no entry')})"
             )
+        graph_kwargs = _cudagraph_kwargs(graph, kind, pair or cudagraphs.Pair())
+        requested = graph_kwargs["cudagraphs"].value
         graph.post_compile([], constants, {
-            "cudagraphs": BoxedBool(False), "is_backward": kind == "backward", "is_inference": kind == "inference",
-            "graph_id": compilers.graph_id, "static_input_idxs": (), "boxed_forward_device_index": None,
+            "is_backward": kind == "backward", "is_inference": kind == "inference", "graph_id": compilers.graph_id,
+            **graph_kwargs,
         })
+        cudagraphs.report(kind, requested, graph, graph_kwargs)
     return graph
+
+
+def _cudagraph_kwargs(graph: Any, kind: str, pair: Any) -> dict:
+    """The cold compile's choice: the forward's box from the config in force, the backward's from
+    its forward; the static inputs are the ones the graph was compiled (and cached) with."""
+    from torch._inductor.utils import BoxedBool
+
+    from ..inductor import cudagraphs
+
+    if kind == "backward":
+        box = pair.cudagraphs if pair.cudagraphs is not None else BoxedBool(False)
+    else:
+        box = BoxedBool(cudagraphs.wanted())
+        if kind == "forward":
+            pair.cudagraphs = box
+    static = tuple((getattr(graph, "fx_kwargs", None) or {}).get("static_input_idxs") or ())
+    return {"cudagraphs": box, "static_input_idxs": static, "boxed_forward_device_index": pair.device}

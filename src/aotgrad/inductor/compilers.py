@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import weakref
 from collections.abc import Callable
@@ -14,15 +15,20 @@ import torch.fx
 
 from .. import config
 from ..compile.compile import SAME_INPUTS_AS, placeholder_values
+from . import cudagraphs
 from .context import BackendCompileError, _compile_context, _graph_ids
 
+log = logging.getLogger("aotgrad.inductor")
 
-def inductor_compilers(patches: dict | None = None, forward_patches: dict | None = None) -> _InductorCompilers:
+
+def inductor_compilers(patches: dict | None = None, forward_patches: dict | None = None,
+                       static_inputs: cudagraphs.StaticInputs | None = None) -> _InductorCompilers:
     """Forward / backward / inference compilers (and a partition wrapper) that hand aotgrad's graphs
     to Inductor's `compile_fx_inner`, under the Inductor config `patches`; one set per Dynamo graph.
     `forward_patches` add to them for the forward and inference graphs only (the backward's inputs
-    are aotgrad's own, so e.g. it keeps its input asserts where the forward's are left out)."""
-    return _InductorCompilers(patches or {}, forward_patches or {})
+    are aotgrad's own, so e.g. it keeps its input asserts where the forward's are left out).
+    `static_inputs`: the parameters and buffers, which CUDA graphs keep in place (cudagraphs.py)."""
+    return _InductorCompilers(patches or {}, forward_patches or {}, static_inputs)
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict:
@@ -77,8 +83,11 @@ def _inductor_pre_grad_passes(gm: torch.fx.GraphModule, fakes: list) -> torch.fx
 _FORWARD_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def link_backward(bw: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> None:
+def link_backward(bw: torch.fx.GraphModule, fw, pair: cudagraphs.Pair | None = None) -> None:
+    """`fw`'s output strides restride `bw`'s inputs; the two share one CUDA-graph `pair`."""
     _FORWARD_OF[bw] = fw
+    cudagraphs.link(bw, *([fw] if isinstance(fw, torch.fx.GraphModule) else []), pair=pair)
+
 _NUM_FWD = "aotgrad_num_fwd_outputs"
 _OUT_STRIDES = "aotgrad_output_strides"
 
@@ -88,9 +97,10 @@ class _InductorCompilers:
     placeholders, the TracingContext/fake mode Inductor reads, the boxed convention (Inductor's
     compiled graphs take one list), and forward output strides handed to the backward."""
 
-    def __init__(self, patches: dict, forward_patches: dict):
+    def __init__(self, patches: dict, forward_patches: dict, static_inputs: cudagraphs.StaticInputs | None = None):
         from torch._guards import TracingContext
 
+        self.static_inputs = static_inputs
         self.patches = patches  # applied here too: the backward may compile after the backend returned
         self.forward_patches = {**patches, **forward_patches}
         self.graph_id = next(_graph_ids)
@@ -113,11 +123,11 @@ class _InductorCompilers:
         partition.__name__ = f"inductor_joint_passes({getattr(partition_fn, '__name__', 'partition')})"
         return partition
 
-    def forward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
+    def forward(self, gm: torch.fx.GraphModule, example_inputs) -> Callable:
         n = gm.meta.get(_NUM_FWD)
-        return self._compile(gm, visible=n, is_inference=False, is_backward=False)
+        return self._compile(gm, visible=n, is_inference=False, is_backward=False, primals=example_inputs)
 
-    def inference(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
+    def inference(self, gm: torch.fx.GraphModule, example_inputs) -> Callable:
         example = placeholder_values(gm)
         _tensorify_scalars(gm)
         _views_alias_their_base(gm)
@@ -126,13 +136,16 @@ class _InductorCompilers:
 
             with self._context(example):
                 gm = _recursive_joint_graph_passes(gm)
-        return self._compile(gm, visible=None, is_inference=True, is_backward=False)
+        return self._compile(gm, visible=None, is_inference=True, is_backward=False, primals=example_inputs)
 
     def backward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
-        fw = _FORWARD_OF.get(gm) or _FORWARD_OF.get(gm.meta.get(SAME_INPUTS_AS))
+        first = gm.meta.get(SAME_INPUTS_AS)  # a variant of the compiled backward: its forward is that one's
+        fw = _FORWARD_OF.get(gm) or _FORWARD_OF.get(first)
         if fw is not None:
             _restride_saved(gm, fw)
-        return self._compile(gm, visible=None, is_inference=False, is_backward=True)
+        if cudagraphs.pair_of(gm) is None and first is not None and cudagraphs.pair_of(first) is not None:
+            cudagraphs.link(gm, pair=cudagraphs.pair_of(first))
+        return self._compile(gm, visible=None, is_inference=False, is_backward=True, forward=fw)
 
     @contextlib.contextmanager
     def _context(self, example: list, patches: dict | None = None):
@@ -153,10 +166,22 @@ class _InductorCompilers:
         with patched, V.set_fake_mode(fake_mode), tracing(ctx), enable_python_dispatcher():
             yield ctx
 
-    def _compile(self, gm, *, visible, is_inference, is_backward) -> Callable:
+    def _cudagraph_kwargs(self, gm, kind: str, primals, forward, visible) -> tuple[dict, list[int]]:
+        """CUDA graphs for this graph (inductor/cudagraphs.py): `compile_fx_inner`'s arguments, and
+        for a forward the backward inputs that will be static (read before Inductor rewrites it)."""
+        if kind == "backward":
+            graph_kwargs = cudagraphs.backward_kwargs(gm, forward)
+        else:
+            graph_kwargs = cudagraphs.forward_kwargs(gm, list(primals), self.static_inputs,
+                                                     is_inference=kind == "inference")
+        saved = cudagraphs.static_saved(gm, visible, graph_kwargs["static_input_idxs"]) if kind == "forward" else []
+        log.debug("aotgrad: %s graph %s to compile_fx_inner: cudagraphs=%s static_input_idxs=%s", kind,
+                  self.graph_id, graph_kwargs["cudagraphs"].value, graph_kwargs["static_input_idxs"])
+        return graph_kwargs, saved
+
+    def _compile(self, gm, *, visible, is_inference, is_backward, primals=(), forward=None) -> Callable:
         from torch._guards import TracingContext
         from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.utils import BoxedBool
 
         example = placeholder_values(gm)
         out = gm.graph.output_node()
@@ -164,17 +189,23 @@ class _InductorCompilers:
         n = len(outs) if visible is None else visible
         # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
         out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
+        kind = "backward" if is_backward else "inference" if is_inference else "forward"
         with self._context(example, self.patches if is_backward else self.forward_patches):
+            graph_kwargs, saved = self._cudagraph_kwargs(gm, kind, primals, forward, visible)
+            requested = graph_kwargs["cudagraphs"].value
             with TracingContext.report_output_strides() as strides:
                 compiled = compile_fx_inner(
                     gm,
                     example,
-                    cudagraphs=BoxedBool(False),
                     graph_id=self.graph_id,
                     is_inference=is_inference,
                     is_backward=is_backward,
+                    **graph_kwargs,
                 )
-            if not is_inference and not is_backward and strides is not None:
+            cudagraphs.report(kind, requested, compiled, graph_kwargs)
+            if saved:
+                gm.meta[cudagraphs.STATIC_SAVED] = saved
+            if kind == "forward" and strides is not None:
                 # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
                 gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
         return compiled
