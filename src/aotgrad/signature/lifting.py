@@ -345,7 +345,43 @@ def make_state_guard(lifted: Sequence[torch.Tensor], slots: Sequence[Place | Non
         return None
     src = "def check():\n    try:\n        return " + " and ".join(terms) + "\n    except Exception:\n        return False\n"
     exec(compile(src, "<aotgrad closed-over state guard>", "exec"), scope)
-    return scope["check"]
+    check = scope["check"]
+    check.__aotgrad_terms__ = terms  # with_state folds them into each entry's argument guard
+    return check
+
+
+def with_state(guard: Callable, state: Callable[[], bool] | None) -> Callable:
+    """One generated function checking an entry's arguments (`guard`, from inputs.make_guard or
+    dynamic_shapes.call_guard; or an earlier result of this) and then the closed-over state
+    (`state`, from make_state_guard), so a call runs one check per entry. The arguments come first:
+    an entry whose arguments do not match skips the state's terms. `__aotgrad_args__` keeps the
+    argument guard, to fold again with the state guard that replaces `state`."""
+    guard = getattr(guard, "__aotgrad_args__", guard)
+    if state is None:
+        return guard
+    conds = getattr(guard, "__aotgrad_conds__", None)
+    if not hasattr(state, "__aotgrad_terms__"):
+        conds = None
+    scope = {k: v for k, v in guard.__globals__.items() if k not in ("guard", "__builtins__")}
+    for k, v in state.__globals__.items():
+        if k in ("check", "__builtins__"):
+            continue
+        if k in scope and scope[k] is not v:  # a name both use for other values: call both instead
+            conds = None
+        scope[k] = v
+    if conds is None:
+        scope = {"_args": guard, "_state": state}
+        args_part, terms = ["_args(args)"], ["_state()"]
+    else:
+        args_part, terms = conds, state.__aotgrad_terms__
+    src = ("def guard(args):\n    if not (\n        " + "\n        and ".join(args_part) + "\n    ):\n"
+           "        return False\n    try:\n        return " + " and ".join(terms) + "\n"
+           "    except Exception:  # a place that is gone (an emptied cell, a shrunk list)\n        return False\n")
+    exec(compile(src, "<aotgrad guard with closed-over state>", "exec"), scope)
+    combined = scope["guard"]
+    combined.__aotgrad_source__ = src
+    combined.__aotgrad_args__ = guard
+    return combined
 
 
 def read_again(lifted: Sequence[torch.Tensor], slots: Sequence[Place | None], reach: Reach) -> list | None:
