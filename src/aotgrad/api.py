@@ -221,6 +221,11 @@ class CompiledFunction:
         """`args` without the lifted tensors: the state check may change which tensors those are."""
         if self._state_ok is not None and not self._state_ok():
             self._state_changed()  # a rebound tensor, a module's mode, hooks or parameters
+            if not kwargs:  # the entries' guards now check the new state
+                full = (*self.lifted, *args)
+                for guard, run in self.fast:
+                    if guard(full):
+                        return run(full)
         args = (*self.lifted, *args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if inputs_stage.being_traced(leaves):

@@ -491,6 +491,26 @@ def test_rebinding_refolds_the_guards_so_later_calls_take_the_fast_path():
     assert calls["slow"] == 2  # once for the new mode, then its own entry's guard
 
 
+def test_rebinding_keeps_the_entrys_guard_with_its_names_rebound():
+    """A rebound tensor changes what the state terms compare against, not the terms: the entry's
+    guard is kept (no code generated on that call) and sees the new tensor."""
+    w = torch.ones(3)
+
+    def f(x):
+        return x * w
+
+    compiled = aot_function(f, nop)
+    x = torch.randn(3)
+    compiled(x)
+    (guard, _), = compiled.fast
+    for value in (3.0, 4.0):
+        w = torch.full((3,), value)
+        torch.testing.assert_close(compiled(x), x * value)
+        (again, _), = compiled.fast
+        assert again is guard and compiled.lifted == (w,) and guard((w, x))
+    assert len(compiled.cache) == 1
+
+
 def test_no_closed_over_state_means_the_argument_guard_alone():
     compiled = aot_function(lambda x: x.sin(), nop)
     compiled(torch.randn(3))
