@@ -3,7 +3,14 @@
 `f = lambda x: x.sin()` on a 1-element tensor (and a program of three view outputs), these cases:
     fwd        x.requires_grad=True, time f(x)
     fwd+bwd    x.requires_grad=True, time f(x).backward()
-    inference  x.requires_grad=False, time f(x); also for a program returning three views of x
+    inference  x.requires_grad=False, time f(x); also for a program returning three views of x, and
+               for programs closing over a tensor (`x * w`) and over a module (`Scaled`,
+               in eval mode, its parameter without grad): aotgrad lifts the closed-over tensors
+               to inputs and checks per call, in the entry's one generated guard, that they and
+               the module's state are unchanged; upstream's aot_function refuses a closed-over
+               tensor under its own fake mode, and compiled under one that allows it
+               (`_upstream_closure`) bakes it into the graph as a constant and guards nothing (a
+               rebound tensor or a module's changed mode is not seen): its rows say "unguarded"
     TwoTensor  x a TwoTensor (torch.testing._internal.two_tensor) requiring grad, time f(x): the
                subclass stage's prologue/epilogue (flatten, rebuild) against upstream's
 Each case gets its own compiled object per implementation (upstream caches its first compiled
@@ -33,6 +40,44 @@ def views(x: torch.Tensor) -> tuple:
     return x.view(-1), x[:1], x.unsqueeze(0)
 
 
+def _closure_over_tensor() -> Callable:
+    """`x * w`: one op, as `sin` (each graph op is a `torch.ops` call, ~1 us over eager's method
+    call on both sides; a second op would measure that, not the closure)."""
+    w = torch.randn(1)
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    return scaled
+
+
+class Scaled(torch.nn.Module):
+    """`x * weight`: the tensor closure's program inside a module. A closed-over `nn.Linear` would
+    add `view`/`t`/`addmm` graph ops that both sides run through `torch.ops`, and a rebuilt view
+    output, hiding the guard's cost; eager pays `nn.Module.__call__` (~2 us), the compiled graphs
+    do not, so this row's ratio is lower than the tensor closure's for the same guard."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _closure_over_module() -> Callable:
+    scaled = Scaled().eval()
+
+    def module(x: torch.Tensor) -> torch.Tensor:
+        return scaled(x)
+
+    return module
+
+
+closed_over_tensor = _closure_over_tensor()
+closed_over_module = _closure_over_module()
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -45,6 +90,7 @@ class Case:
     # compiled runs, so there is no overhead over eager to compare).
     ratio_kind: str = "overhead"
     fn: Callable = sin  # the program
+    closes_over: bool = False  # the program reads tensors it is not passed (see `_upstream_closure`)
 
 
 CASES = [
@@ -52,6 +98,10 @@ CASES = [
     Case("fwd+bwd", True, "f(x).backward()"),
     Case("inference (no grad)", False, "f(x)"),
     Case("inference, three view outputs", False, "f(x)", fn=views),
+    Case("inference, closed-over tensor (upstream: unguarded)", False, "f(x)", fn=closed_over_tensor,
+         closes_over=True),
+    Case("inference, closed-over module (upstream: unguarded)", False, "f(x)", fn=closed_over_module,
+         closes_over=True),
     Case("fwd (one TwoTensor input, requires_grad)", True, "f(x)", two_tensor=True, ratio_kind="time"),
 ]
 
@@ -108,6 +158,19 @@ def _check(case: Case, f: Callable) -> str | None:
     return compare(ref, got) or (None if same_grad else "requires_grad differs")
 
 
+def _upstream_closure(case: Case, f: Callable) -> None:
+    """Compile upstream's `f` for a program closing over tensors. Its trace fakes the arguments and
+    refuses a real tensor met in the program ("Please convert all Tensors to FakeTensors first"),
+    unless the tracing context's fake mode allows them: the first call then bakes the closed-over
+    tensors into the graph as constants (later calls never read them again, and nothing is
+    guarded); upstream caches that graph for every later call."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))):
+        f(_input(case, torch.randn(1)))
+
+
 def bench_case(impls: tuple[Impl, ...], case: Case, number: int, repeats: int) -> CaseResult:
     result = CaseResult(case.name, case.ratio_kind)
     timers: dict[str, timeit.Timer] = {}
@@ -116,6 +179,8 @@ def bench_case(impls: tuple[Impl, ...], case: Case, number: int, repeats: int) -
     for name, f in candidates:
         x = _input(case, torch.randn(1))
         try:
+            if case.closes_over and name == "upstream":
+                _upstream_closure(case, f)
             mismatch = _check(case, f)
             if mismatch:
                 result.errors[name] = f"MISMATCH: {mismatch}"

@@ -160,11 +160,12 @@ class CompiledFunction:
 
     Tensors the function reaches without being passed them are lifted (signature/lifting.py): found during a
     trace, they become leading arguments of every later call, so their current values are read,
-    their mutations applied once and their gradients computed. One generated check per call
-    (`_state_ok`) sees a rebound tensor or a closed-over module's changed state (flags, hooks,
-    parameters); compiled entries are kept per module state (`_buckets`). Past `config.recompile_limit` signatures
-    it warns once, naming what keeps changing; past `config.recompile_hard_limit` new signatures run
-    eagerly."""
+    their mutations applied once and their gradients computed. Each entry's one generated guard
+    checks the arguments and then the closed-over state (lifting.with_state): a rebound tensor or a
+    closed-over module's changed state (flags, hooks, parameters) fails it, and the slow path runs
+    `_state_ok` to see why; compiled entries are kept per module state (`_buckets`). Past
+    `config.recompile_limit` signatures it warns once, naming what keeps changing; past
+    `config.recompile_hard_limit` new signatures run eagerly."""
 
     def __init__(self, fn: Callable, config: AOTConfig):
         self.fn = fn
@@ -177,21 +178,18 @@ class CompiledFunction:
         self._modules: list[nn.Module] = []  # closed-over modules guarded here
         self._module_key: tuple = ()
         self._buckets: dict[tuple, tuple] = {}  # other module states' (cache, fast, symbolic)
-        self._state_ok: Callable[[], bool] | None = None  # the one per-call check of closed-over state
+        self._state_ok: Callable[[], bool] | None = None  # closed-over state (folded into self.fast's guards)
         self.recompiles: list[str] = []  # why each signature after the first was compiled
         self.symbolic: list[tuple] = []  # (spec, guard, run) per entry serving many shapes (dynamic/shapes.py)
         self._warned: set[str] = set()
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
-        if self._state_ok is not None and not self._state_ok():
-            self._state_changed()  # a rebound tensor, a module's mode, hooks or parameters
-        if self.lifted:
-            args = (*self.lifted, *args)
-        if not kwargs:
+        if not kwargs:  # one generated guard per entry: the arguments, then any closed-over state
+            full = (*self.lifted, *args) if self.lifted else args
             for guard, run in self.fast:
-                if guard(args):
-                    return run(args)
+                if guard(full):
+                    return run(full)
         return self._call_slow(args, kwargs)
 
     def prepare(self, *args, **kwargs) -> None:
@@ -220,6 +218,15 @@ class CompiledFunction:
             self.prepare(*args[before:], **kwargs)
 
     def _call_slow(self, args: tuple, kwargs: dict):
+        """`args` without the lifted tensors: the state check may change which tensors those are."""
+        if self._state_ok is not None and not self._state_ok():
+            self._state_changed()  # a rebound tensor, a module's mode, hooks or parameters
+            if not kwargs:  # the entries' guards now check the new state
+                full = (*self.lifted, *args)
+                for guard, run in self.fast:
+                    if guard(full):
+                        return run(full)
+        args = (*self.lifted, *args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if inputs_stage.being_traced(leaves):
             # Called inside another trace (an outer aot_function): the outer graph records our ops
@@ -277,7 +284,7 @@ class CompiledFunction:
         if getattr(run, "symbolic_guard", None) is None:  # a symbolic entry's guard is in self.fast
             guard = inputs_stage.make_guard(leaves, spec, _plan_depends_on_aliasing(run.plan))
         if guard is not None:
-            self.fast.insert(0, (guard, run))
+            self.fast.insert(0, (lifting.with_state(guard, self._state_ok), run))
         for ref in guards.weak_parts(key):  # forget the entry when the object it was keyed on dies
             weakref.finalize(ref(), _forget, weakref.ref(self), key)
         return run
@@ -293,7 +300,7 @@ class CompiledFunction:
         run.symbolic_guard = dynamic_shapes.call_guard(fakes, leaves, _plan_depends_on_aliasing(run.plan))
         self.symbolic.insert(0, (spec, run.symbolic_guard, run))
         if dynamic_shapes.flat_positional(leaves, spec):
-            self.fast.insert(0, (run.symbolic_guard, run))
+            self.fast.insert(0, (lifting.with_state(run.symbolic_guard, self._state_ok), run))
         return run
 
     def _find_reach(self) -> None:
@@ -308,8 +315,12 @@ class CompiledFunction:
         self._rebuild_state_guard()
 
     def _rebuild_state_guard(self) -> None:
+        """A new state check (new lifted tensors, places or modules): every entry of the current
+        module state gets its guard folded again with it (another module state's entries are, when
+        `_state_changed` switches to them)."""
         self._slots = lifting.slots_of(self.lifted, self._reach)
         self._state_ok = lifting.make_state_guard(self.lifted, self._slots, self._modules)
+        self.fast = [(lifting.with_state(guard, self._state_ok), run) for guard, run in self.fast]
 
     def _lift(self, tensors: list[torch.Tensor]) -> None:
         self._find_reach()

@@ -399,3 +399,172 @@ def test_unregistered_submodule_and_global_through_a_module(path):
             change(cst, i)
     finally:
         G_BIAS = saved
+
+
+# 4. the per-call check: one generated guard per entry (issue 38, item 6) ---------------------------
+
+
+def _counting(compiled):
+    """Wrap each fast-path guard and the state check of `compiled`, and its slow path: count calls."""
+    calls = {"guards": [], "state": 0, "slow": 0}
+    state, slow = compiled._state_ok, compiled._call_slow
+
+    def wrap(guard):
+        def counted(args):
+            calls["guards"].append(guard)
+            return guard(args)
+
+        counted.__aotgrad_args__ = guard.__aotgrad_args__  # refolded from it when the state check changes
+        return counted
+
+    def counted_state():
+        calls["state"] += 1
+        return state()
+
+    def counted_slow(*a):
+        calls["slow"] += 1
+        return slow(*a)
+
+    compiled.fast = [(wrap(g), r) for g, r in compiled.fast]
+    compiled._state_ok, compiled._call_slow = counted_state, counted_slow
+    return calls
+
+
+def test_closed_over_state_is_checked_in_each_entrys_one_guard():
+    """A program closing over a module and a tensor, compiled for two shapes: a call runs one
+    generated guard per entry it tries (the arguments and the state in one function) and no
+    separate state check; each guard's source holds both."""
+    lin = nn.Linear(3, 3)
+    w = torch.full((3,), 2.0)
+
+    def f(x):
+        return lin(x) * w
+
+    compiled = aot_function(f, nop)
+    small, big = torch.randn(3), torch.randn(2, 3)
+    compiled(small)
+    compiled(big)
+    assert len(compiled.fast) == 2 and compiled._state_ok is not None
+    for guard, _ in compiled.fast:
+        src = guard.__aotgrad_source__
+        assert src.count("def ") == 1 and "len(args) == 4" in src
+        assert "cell_contents is _L" in src and ".training is True" in src
+    calls = _counting(compiled)
+    torch.testing.assert_close(compiled(small), f(small))  # the older entry: both guards tried
+    assert len(calls["guards"]) == 2 and calls["guards"][0] is not calls["guards"][1]
+    assert calls["state"] == 0 and calls["slow"] == 0
+    torch.testing.assert_close(compiled(big), f(big))  # the newer entry: its guard only
+    assert len(calls["guards"]) == 3 and calls["state"] == 0 and calls["slow"] == 0
+
+
+def test_rebinding_refolds_the_guards_so_later_calls_take_the_fast_path():
+    """A rebound closed-over tensor fails the guard once (the slow path reads the new tensor and
+    folds the new state check into every entry); the next calls are on the fast path again. The
+    same for a module's mode (its own entry, compiled once)."""
+    lin = nn.Linear(3, 3)
+    w = torch.full((3,), 2.0)
+
+    def f(x):
+        return lin(x) * w
+
+    def rebind(v):
+        nonlocal w
+        w = v
+
+    compiled = aot_function(f, nop)
+    x = torch.randn(3)
+    compiled(x)
+    calls = _counting(compiled)
+    torch.testing.assert_close(compiled(x), f(x))
+    assert calls["slow"] == 0
+    rebind(torch.full((3,), 5.0))
+    torch.testing.assert_close(compiled(x), f(x))
+    assert calls["slow"] == 1 and compiled.lifted[-1] is w
+    calls["guards"].clear()
+    torch.testing.assert_close(compiled(x), f(x))
+    assert calls["slow"] == 1 and len(calls["guards"]) == 0  # the refolded guard (not the counted one)
+    (guard, _), = compiled.fast
+    assert guard(tuple(compiled.lifted) + (x,))
+    lin.eval()
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), f(x))
+    assert calls["slow"] == 2  # once for the new mode, then its own entry's guard
+
+
+def test_rebinding_keeps_the_entrys_guard_with_its_names_rebound():
+    """A rebound tensor changes what the state terms compare against, not the terms: the entry's
+    guard is kept (no code generated on that call) and sees the new tensor."""
+    w = torch.ones(3)
+
+    def f(x):
+        return x * w
+
+    compiled = aot_function(f, nop)
+    x = torch.randn(3)
+    compiled(x)
+    (guard, _), = compiled.fast
+    for value in (3.0, 4.0):
+        w = torch.full((3,), value)
+        torch.testing.assert_close(compiled(x), x * value)
+        (again, _), = compiled.fast
+        assert again is guard and compiled.lifted == (w,) and guard((w, x))
+    assert len(compiled.cache) == 1
+
+
+def test_no_closed_over_state_means_the_argument_guard_alone():
+    compiled = aot_function(lambda x: x.sin(), nop)
+    compiled(torch.randn(3))
+    (guard, _), = compiled.fast
+    assert compiled._state_ok is None and compiled.lifted == ()
+    assert not hasattr(guard, "__aotgrad_args__") and "try:" not in guard.__aotgrad_source__
+
+
+def test_folded_guard_calls_both_checks_where_their_names_collide():
+    from aotgrad.signature import lifting
+
+    scope = {"_L0": 1}
+    exec("def guard(args):\n    return _L0 == 1 and len(args) == 1", scope)
+    guard = scope["guard"]
+    guard.__aotgrad_conds__ = ["_L0 == 1", "len(args) == 1"]
+    t = torch.ones(1)
+    cell = (lambda: t).__closure__[0]
+    state = lifting.make_state_guard([t], [lifting.Place(cell, None, "t")], [])
+    combined = lifting.with_state(guard, state)
+    assert "_args(args)" in combined.__aotgrad_source__ and "_state()" in combined.__aotgrad_source__
+    assert combined((0,)) and not combined((0, 1))
+    assert lifting.with_state(combined, None) is guard
+
+
+@pytest.mark.parametrize("width", [1, 40])  # one inline condition per item, and the `map` terms past _INLINE
+def test_module_state_guard_sees_each_kind_of_change(width):
+    from aotgrad.signature import module_state
+
+    def make():
+        return nn.Sequential(*[nn.Linear(2, 2) for _ in range(width)], nn.BatchNorm1d(2))
+
+    changes = [
+        lambda m: m[0].eval(),
+        lambda m: m[0].register_forward_hook(lambda *a: None),
+        lambda m: m[-1].register_forward_pre_hook(lambda *a: None),
+        lambda m: setattr(m[0], "weight", nn.Parameter(torch.ones(2, 2))),
+        lambda m: m[0].register_buffer("extra", torch.ones(1)),
+        lambda m: delattr(m[-1], "running_mean"),
+        lambda m: m.append(nn.ReLU()),
+        lambda m: setattr(m, "0", nn.Linear(2, 2)),
+    ]
+    for change in changes:
+        mod = make()
+        guard = module_state.make_state_guard(mod, [])
+        assert guard()
+        change(mod)
+        assert not guard()
+    mod = make()
+    mod[0].register_forward_hook(lambda *a: None)
+    guard = module_state.make_state_guard(mod, [])
+    handle = mod[0].register_forward_hook(lambda *a: None)
+    assert not guard()
+    handle.remove()
+    assert guard()
+    mod[0]._forward_hooks.clear()  # the same number of hooks, another one
+    mod[0].register_forward_hook(lambda *a: None)
+    assert not guard()

@@ -340,6 +340,7 @@ def _generated(conds: list[str], scope: dict) -> Callable[[Sequence], bool]:
     exec(compile(src, "<aotgrad symbolic guard>", "exec"), scope)
     guard = scope["guard"]
     guard.__aotgrad_source__ = src
+    guard.__aotgrad_conds__ = conds  # lifting.with_state folds them with the state's
     return guard
 
 

@@ -277,6 +277,7 @@ def make_guard(leaves: Sequence[Any], spec: pytree.TreeSpec, check_aliasing: boo
     exec(compile(src, "<aotgrad guard>", "exec"), scope)
     guard = scope["guard"]
     guard.__aotgrad_source__ = src
+    guard.__aotgrad_conds__ = conds  # lifting.with_state folds them with the state's
     return guard
 
 

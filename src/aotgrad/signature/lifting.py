@@ -16,14 +16,15 @@ Torch-function level, not aten level: autograd sits above the dispatcher, so the
 happen before autograd records the op for the gradient to reach the lifted input.
 
 Where each lifted tensor lives (a global, a closure cell, a module's parameter / buffer / attribute)
-is found by `find_places`; `make_state_guard` turns that into the per-call check that the same
-objects are still there, together with the state guard of every module the program closes over
-(module_state.py), so a rebound tensor, a reassigned parameter, `train()`/`eval()` or a new hook is
-seen on the next call.
+is found by `find_places`; `make_state_guard` turns that into the check that the same objects are
+still there, together with the state guard of every module the program closes over
+(module_state.py), and `with_state` folds it into each compiled entry's generated argument guard:
+one check per call sees a rebound tensor, a reassigned parameter, `train()`/`eval()` or a new hook.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import types
@@ -326,6 +327,13 @@ def names_of(lifted: Sequence[torch.Tensor], slots: Sequence[Place | None]) -> l
     return [s.name if s is not None else f"a closed-over {describe([t])}" for t, s in zip(lifted, slots)]
 
 
+@functools.lru_cache(maxsize=256)
+def _code(src: str, filename: str) -> types.CodeType:
+    """Compiled once per source: a rebound tensor gives the same source over other objects (compiling
+    it was most of the ~90 us a call that finds the change spends)."""
+    return compile(src, filename, "exec")
+
+
 def make_state_guard(lifted: Sequence[torch.Tensor], slots: Sequence[Place | None],
                      modules: Sequence[nn.Module]) -> Callable[[], bool] | None:
     """One generated check, True while every lifted tensor is still the object in its place and
@@ -344,8 +352,45 @@ def make_state_guard(lifted: Sequence[torch.Tensor], slots: Sequence[Place | Non
     if not terms:
         return None
     src = "def check():\n    try:\n        return " + " and ".join(terms) + "\n    except Exception:\n        return False\n"
-    exec(compile(src, "<aotgrad closed-over state guard>", "exec"), scope)
-    return scope["check"]
+    exec(_code(src, "<aotgrad closed-over state guard>"), scope)
+    check = scope["check"]
+    check.__aotgrad_terms__ = terms  # with_state folds them into each entry's argument guard
+    return check
+
+
+def with_state(guard: Callable, state: Callable[[], bool] | None) -> Callable:
+    """One generated function checking an entry's arguments (`guard`, from inputs.make_guard or
+    dynamic_shapes.call_guard; or an earlier result of this) and then the closed-over state
+    (`state`, from make_state_guard), so a call runs one check per entry. The arguments come first:
+    an entry whose arguments do not match skips the state's terms. `__aotgrad_args__` keeps the
+    argument guard, to fold again with the state guard that replaces `state`; where that one has
+    the same terms over other objects (a rebound tensor), the earlier result is kept and its names
+    rebound: no code is generated on the call that found the change."""
+    previous, guard = guard, getattr(guard, "__aotgrad_args__", guard)
+    if state is None:
+        return guard
+    terms = getattr(state, "__aotgrad_terms__", None)
+    conds = getattr(guard, "__aotgrad_conds__", None)
+    names = {k: v for k, v in state.__globals__.items() if k not in ("check", "__builtins__")}
+    theirs = guard.__globals__
+    if terms is None or conds is None or any(k in theirs and theirs[k] is not v for k, v in names.items()):
+        scope = {"_args": guard, "_state": state}  # a name both use for other values: call both
+        conds, terms = ["_args(args)"], ["_state()"]
+    elif previous is not guard and getattr(previous, "__aotgrad_terms__", None) == terms:
+        previous.__globals__.update(names)
+        return previous
+    else:
+        scope = {**{k: v for k, v in theirs.items() if k not in ("guard", "__builtins__")}, **names}
+    src = ("def guard(args):\n    if not (\n        " + "\n        and ".join(conds) + "\n    ):\n"
+           "        return False\n    try:\n        return " + " and ".join(terms) + "\n"
+           "    except Exception:  # a place that is gone (an emptied cell, a shrunk list)\n        return False\n")
+    exec(_code(src, "<aotgrad guard with closed-over state>"), scope)
+    combined = scope["guard"]
+    combined.__aotgrad_source__ = src
+    combined.__aotgrad_args__ = guard
+    if "_state" not in scope:
+        combined.__aotgrad_terms__ = terms
+    return combined
 
 
 def read_again(lifted: Sequence[torch.Tensor], slots: Sequence[Place | None], reach: Reach) -> list | None:

@@ -48,45 +48,68 @@ def describe_change(old: tuple, new: tuple) -> str:
     return "the module's parameters or buffers were added, removed or renamed"
 
 
+_INLINE = 32  # up to this many items of a kind, one inline condition each; past it, one `map`
+
+
 def guard_terms(mod: nn.Module, scope: dict[str, Any], tag: str = "") -> list[str]:
     """Conditions, over names this adds to `scope` (suffixed `tag`), that are True while `mod`'s
     state is what it is now: the flags, the identity of each parameter, buffer and submodule, the
-    hook dictionaries' keys. Each is a `map` over C functions (`attrgetter`, `dict.get`,
-    `operator.is_`, `len`), no Python code per submodule: on a 73-submodule MLP a generated `and`
-    chain per submodule took 86 us a call, this takes a few. Callers put them in their one
-    generated check (lifting.make_state_guard inlines those of every closed-over module)."""
+    hook dictionaries' keys. They may raise (a state entry that is gone): callers catch that as
+    False. Callers put them in their one generated check (lifting.make_state_guard inlines those of
+    every closed-over module, lifting.with_state those into each entry's argument guard).
+
+    Dictionaries empty now (most hook dictionaries, a leaf's `_modules`) are checked in one C loop
+    (`not any(...)`). Of each other kind (flags, sizes and keys of the other dictionaries, the
+    entries' identities), up to `_INLINE` items get one condition each (`_dict3[k] is _obj5`: 25-50 ns,
+    where a `map` term costs 0.3-0.5 us whatever its length), more get one `map` over C functions
+    (`attrgetter`, `dict.get`, `operator.is_`, `len`): on a 73-submodule MLP a generated `and`
+    chain per submodule took 86 us a call, the maps a few."""
     mods = [m for _, m in mod.named_modules(remove_duplicate=False)]
-    sized: list[dict] = []
-    owners: list[dict] = []
-    keys: list[str] = []
-    objs: list[Any] = []
-    for m in mods:
-        for dname in ("_parameters", "_buffers", "_modules"):
-            d = getattr(m, dname)
-            sized.append(d)
-            for k, x in d.items():
-                owners.append(d)
-                keys.append(k)
-                objs.append(x)
+    sized = [getattr(m, dname) for m in mods for dname in ("_parameters", "_buffers", "_modules")]
+    entries = [(d, k, x) for d in sized for k, x in d.items()]
     hooks = [d for _, d in _hook_dicts(mod)]
+    filled = [d for d in sized if d]
     scope.update({"_training": operator.attrgetter("training"), "_get": dict.get, "_is": operator.is_})
-    names = {"mods": mods, "flags": [m.training for m in mods], "sized": sized, "sizes": [len(d) for d in sized],
-             "owners": owners, "keys": keys, "objs": objs, "hooks": hooks, "hook_sizes": [len(d) for d in hooks],
-             "filled": [(d, tuple(d)) for d in hooks if d]}
-    scope.update({f"_{k}{tag}": v for k, v in names.items()})
-    return [
-        f"list(map(_training, _mods{tag})) == _flags{tag}",
-        f"list(map(len, _sized{tag})) == _sizes{tag}",
-        f"all(map(_is, map(_get, _owners{tag}, _keys{tag}), _objs{tag}))",
-        f"list(map(len, _hooks{tag})) == _hook_sizes{tag}",
-        f"all(tuple(d) == k for d, k in _filled{tag})",
-    ]
+    terms = []
+    flags = [m.training for m in mods]
+    if len(mods) <= _INLINE and all(type(f) is bool for f in flags):
+        for i, (m, f) in enumerate(zip(mods, flags)):
+            scope[f"_mod{i}{tag}"] = m
+            terms.append(f"_mod{i}{tag}.training is {f}")
+    else:
+        scope[f"_mods{tag}"], scope[f"_flags{tag}"] = mods, flags
+        terms.append(f"list(map(_training, _mods{tag})) == _flags{tag}")
+    empty = [d for d in sized + hooks if not d]
+    if empty:
+        scope[f"_empty{tag}"] = empty
+        terms.append(f"not any(_empty{tag})")
+    names = {id(d): f"_dict{i}{tag}" for i, d in enumerate(filled)}
+    if len(filled) <= _INLINE:
+        for d in filled:
+            scope[names[id(d)]] = d
+            terms.append(f"len({names[id(d)]}) == {len(d)}")
+    else:
+        scope[f"_sized{tag}"], scope[f"_sizes{tag}"] = filled, [len(d) for d in filled]
+        terms.append(f"list(map(len, _sized{tag})) == _sizes{tag}")
+    if len(entries) <= _INLINE:
+        for i, (d, k, x) in enumerate(entries):
+            scope[names[id(d)]], scope[f"_obj{i}{tag}"] = d, x
+            terms.append(f"{names[id(d)]}[{k!r}] is _obj{i}{tag}")
+    elif entries:
+        owners, keys, objs = (list(c) for c in zip(*entries))
+        scope.update({f"_owners{tag}": owners, f"_keys{tag}": keys, f"_objs{tag}": objs})
+        terms.append(f"all(map(_is, map(_get, _owners{tag}, _keys{tag}), _objs{tag}))")
+    for i, d in enumerate(d for d in hooks if d):  # the same number of hooks may be other ones
+        scope[f"_hooks{i}{tag}"], scope[f"_hook_keys{i}{tag}"] = d, tuple(d)
+        terms.append(f"tuple(_hooks{i}{tag}) == _hook_keys{i}{tag}")
+    return terms
 
 
 def make_state_guard(mod: nn.Module, state: list) -> Callable[[], bool]:
     """A check that is True while `mod`'s state is what it is now (`guard_terms`)."""
     scope: dict[str, Any] = {}
-    src = "def guard():\n    return (\n        " + "\n        and ".join(guard_terms(mod, scope)) + "\n    )\n"
+    src = ("def guard():\n    try:\n        return (\n            " + "\n            and ".join(guard_terms(mod, scope))
+           + "\n        )\n    except Exception:  # an entry that is gone\n        return False\n")
     exec(compile(src, "<aotgrad module state guard>", "exec"), scope)
     return scope["guard"]
 
