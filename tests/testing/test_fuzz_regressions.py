@@ -1516,3 +1516,21 @@ def test_detach_then_requires_grad_on_an_input_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="detach_\\(\\) and then requires_grad_\\(\\) on input 1"):
         aot_function(f, nop)(torch.randn(1, 2), torch.randn(4, 3, requires_grad=True))
+
+
+def test_view_of_an_intermediate_later_marked_requires_grad_is_refused_not_a_torch_error():
+    """Seed 31 program 330: `v3` is a view of `v2`, which the program then marks with requires_grad_();
+    reading v3's requires_grad regenerates its grad_fn, an op on a FunctionalTensor that ran outside
+    its mode (torch's "Attempting to use FunctionalTensor on its own"). Now read inside the mode: the
+    usual refusal of an output of a new autograd leaf."""
+    from aotgrad.errors import UnsupportedOutputError
+
+    def f(a1):
+        v2 = a1 * a1.view((-1,))
+        v3 = v2.transpose(0, 0)
+        v2.copy_(a1)
+        v2.requires_grad_()
+        return (v3,)
+
+    with pytest.raises(UnsupportedOutputError, match="marked with requires_grad_"):
+        aot_function(f, nop)(torch.randn(3, 1))

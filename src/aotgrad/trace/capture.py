@@ -236,7 +236,9 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
     subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage
     if hooks.requires_grad_called:
         _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged=bool(layout.leaf_views))
-    if not training and _outputs_need_autograd(flat_out, [*funs, *bases, *user_leaves]):
+    with mode:  # reading a view's grad_fn may regenerate it (its base marked with requires_grad_() later)
+        needs_autograd = not training and _outputs_need_autograd(flat_out, [*funs, *bases, *user_leaves])
+    if needs_autograd:
         raise NeedsTraining  # outputs of an enable_grad() region, or marked with requires_grad_()
 
     fw = _Forward(out_spec=out_spec)
