@@ -16,6 +16,7 @@ import torch.fx
 from torch.fx import Node
 
 from ..trace.state import BACKWARD_MUTATION
+from .ops import op_class
 
 __all__ = ["sink_recomputation"]
 
@@ -62,13 +63,68 @@ def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in nodes:
         if n.op == "placeholder" or n.op == "output" or _anchored(n, dependent):
             emit_with_inputs(n)
-    if order == nodes:
-        return gm
     assert len(order) == len(nodes), "aotgrad internal error: backward reordering lost nodes"
-    cursor = order[0]
-    for n in order[1:]:
-        cursor.append(n)
-        cursor = n
-    graph.lint()
-    gm.recompile()
+    moved = order != nodes
+    if moved:
+        cursor = order[0]
+        for n in order[1:]:
+            cursor.append(n)
+            cursor = n
+    if _remake_for_late_users(graph, dependent) or moved:
+        graph.lint()
+        gm.recompile()
     return gm
+
+
+def _remakeable(node: Node, dependent: set[Node]) -> bool:
+    """A recomputed pointwise op with one tensor output: cheap to run again, its own storage."""
+    return (node.op == "call_function" and node not in dependent and len(node.users) > 1
+            and isinstance(node.meta.get("val"), torch.Tensor) and op_class(node) == "pointwise"
+            and not _anchored(node, dependent))
+
+
+def _remake_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """Give the late users of a recomputed pointwise value their own copy of it, made just before
+    them, where every input of the op is alive there anyway (read at or after that point).
+
+    A recomputed chain (x -> sin -> cos -> ... in the forward) reads each link twice: at once, to
+    make the next link, and late, where the backward reaches the link's own derivative. Held from
+    the first read to the last, every link of the chain is alive when the backward starts on it:
+    twice the bytes where the op's input would serve, since that input is kept for the backward's
+    own late read. Made again from it, the value lives only around its late read. Only where
+    backward work (an op reading a tangent) runs between two reads: the copy costs one pointwise op."""
+    nodes = list(graph.nodes)
+    pos: dict[Node, float] = {n: float(i) for i, n in enumerate(nodes)}
+    work_before = [0]
+    for n in nodes:
+        work_before.append(work_before[-1] + (n in dependent))
+
+    def backward_work_between(a: Node, b: Node) -> bool:
+        return work_before[int(pos[b])] - work_before[int(pos[a]) + 1] > 0
+
+    def alive_at(value: Node, user: Node, skip: set[Node]) -> bool:
+        if value.op == "get_attr":
+            return True
+        return any(w not in skip and pos[w] >= pos[user] for w in value.users)
+
+    changed = False
+    for n in nodes:
+        if not _remakeable(n, dependent):
+            continue
+        users = sorted(n.users, key=pos.__getitem__)
+        holder, copies = n, {n}
+        for prev, u in zip(users, users[1:]):
+            if not backward_work_between(prev, u):
+                continue
+            if not all(alive_at(a, u, copies) for a in n.all_input_nodes):
+                continue
+            with graph.inserting_before(u):
+                copy = graph.node_copy(n)
+            copy.meta = dict(n.meta)
+            pos[copy] = pos[u] - 0.5
+            for w in users[users.index(u):]:
+                w.replace_input_with(holder, copy)
+            holder = copy
+            copies.add(copy)
+            changed = True
+    return changed
