@@ -139,6 +139,7 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
               reference, decompositions: dict | None = None) -> Measure:
     from aotgrad.partition.mincut import INFO_KEY
     from aotgrad.partition.ops import op_class, tensor_nbytes
+    from aotgrad.partition.order import REMADE_FROM
 
     m = Measure()
     mod, inputs = bm.factory()
@@ -182,7 +183,9 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
     fw, bw = seen["fw"], seen["bw"]
     m.graph_bytes = sum(tensor_nbytes(n.meta.get("val")) for n in list(fw.graph.output_node().args[0])[seen["n"]:])
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-    again = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops]
+    # A value the backward remakes for its late users (partition/order.py) counts once per copy.
+    again = [n for n in bw.graph.nodes if n.op == "call_function"
+             and (n.name in fw_ops or n.meta.get(REMADE_FROM) in fw_ops)]
     classes = [op_class(n) for n in again]
     m.recomputed_free = sum(c in ("view", "free") for c in classes)
     m.recomputed = len(again) - m.recomputed_free

@@ -24,6 +24,7 @@ import aotgrad
 from aotgrad.explain.freeing import freeing_nop
 from aotgrad.explain.memory import measure_timeline
 from aotgrad.partition.mincut import min_cut_rematerialization_partition
+from aotgrad.partition.order import REMADE_FROM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 
@@ -135,6 +136,8 @@ def test_recomputed_chain_holds_one_value_per_link():
     (bw,) = graphs
     sins = [n for n in bw.graph.nodes if n.target is aten.sin.default]
     assert len(sins) > 20, bw.code  # 10 links made, 9 made again for the backward (+ the derivatives)
+    remade = [n for n in bw.graph.nodes if REMADE_FROM in n.meta]
+    assert remade and all(n.meta[REMADE_FROM] in {m.name for m in sins} for n in remade)  # counted as recomputed
     mod = nn.Module()
     link = x.numel() * x.element_size()
     eager = _live_peak(mod, _chain, (x,))

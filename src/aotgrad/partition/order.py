@@ -7,6 +7,9 @@ above eager's, whose autograd engine recomputes nothing and frees each node's sa
 goes. `sink_recomputation` keeps the backward's own ops (those reading a tangent) and every op with
 a side effect in their order and moves each other op to just before its first user, as the autograd
 engine would run them (upstream calls the same idea `reordering_to_mimic_autograd_engine`).
+Then a recomputed pointwise value read again late (a chain's link, read at once to make the next
+link and late by its own derivative) is made again just before that late read, where its inputs are
+alive there anyway, instead of being held in between (`_remake_for_late_users`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from torch.fx import Node
 from ..trace.state import BACKWARD_MUTATION
 from .ops import op_class
 
-__all__ = ["sink_recomputation"]
+__all__ = ["REMADE_FROM", "sink_recomputation"]
+
+# meta key of a value `_remake_for_late_users` made again: the name of the node it copies (the
+# recomputed forward op: a count of the backward's recomputation counts the copies too).
+REMADE_FROM = "aotgrad_remade_from"
 
 
 def _anchored(node: Node, tangent_dependent: set[Node]) -> bool:
@@ -34,7 +41,8 @@ def _anchored(node: Node, tangent_dependent: set[Node]) -> bool:
 
 def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Reorder `gm` (a backward graph) in place so that ops not reading a tangent run just before
-    their first user; everything else keeps its relative order. Returns `gm`."""
+    their first user; everything else keeps its relative order; then remake cheap recomputed values
+    for their late users (`_remake_for_late_users`). Returns `gm`."""
     graph = gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -120,7 +128,7 @@ def _remake_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
                 continue
             with graph.inserting_before(u):
                 copy = graph.node_copy(n)
-            copy.meta = dict(n.meta)
+            copy.meta = {**n.meta, REMADE_FROM: n.meta.get(REMADE_FROM, n.name)}
             pos[copy] = pos[u] - 0.5
             for w in users[users.index(u):]:
                 w.replace_input_with(holder, copy)
