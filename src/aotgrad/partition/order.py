@@ -9,7 +9,10 @@ a side effect in their order and moves each other op to just before its first us
 engine would run them (upstream calls the same idea `reordering_to_mimic_autograd_engine`).
 Then a recomputed pointwise value read again late (a chain's link, read at once to make the next
 link and late by its own derivative) is made again just before that late read, where its inputs are
-alive there anyway, instead of being held in between (`_remake_for_late_users`).
+alive there anyway, instead of being held in between (`_remake_for_late_users`); where its inputs
+are not, a short chain of pointwise ops and views back to values that are is remade with it, kept
+only where that lowers the backward's simulated live peak (`_remake_chains_for_late_users`; each
+forward value remade by one chain at most).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.fx
 from torch.fx import Node
 
 from ..trace.state import BACKWARD_MUTATION
-from .ops import op_class
+from .ops import op_class, tensor_nbytes
 
 __all__ = ["REMADE_FROM", "sink_recomputation"]
 
@@ -78,7 +81,9 @@ def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for n in order[1:]:
             cursor.append(n)
             cursor = n
-    if _remake_for_late_users(graph, dependent) or moved:
+    remade = _remake_for_late_users(graph, dependent)
+    remade |= _remake_chains_for_late_users(graph, dependent)
+    if remade or moved:
         graph.lint()
         gm.recompile()
     return gm
@@ -135,4 +140,106 @@ def _remake_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
             holder = copy
             copies.add(copy)
             changed = True
+    return changed
+
+
+_CHAIN_LIMIT = 16  # ops remade for one late read at most
+_CHAIN_TRIES = 64  # candidate chains weighed per graph at most (each one simulation of the graph)
+
+
+def simulated_peak(graph: torch.fx.Graph) -> int:
+    """Live bytes at the highest point of running `graph` node by node, each value freed after its
+    last read (a view's reads count for its base's storage; inputs alive from the start)."""
+    nodes = list(graph.nodes)
+    root: dict[Node, Node] = {}
+    size: dict[Node, int] = {}
+    for n in nodes:
+        base = n.args[0] if n.op == "call_function" and n.args else None
+        if isinstance(base, Node) and op_class(n) in ("view", "free") and base in root:
+            root[n] = root[base]
+        else:
+            root[n] = n
+            size[n] = tensor_nbytes(n.meta.get("val")) if n.op != "output" else 0
+    last: dict[Node, int] = {}
+    for i, n in enumerate(nodes):
+        last[root[n]] = max(last.get(root[n], i), i)
+        for a in n.all_input_nodes:
+            last[root[a]] = max(last.get(root[a], i), i)
+    frees: dict[int, list[Node]] = {}
+    for r, i in last.items():
+        frees.setdefault(i, []).append(r)
+    live = peak = 0
+    for i, n in enumerate(nodes):
+        if root[n] is n:
+            live += size[n]
+        peak = max(peak, live)
+        for r in frees.get(i, ()):
+            live -= size[r]
+    return peak
+
+
+def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """As `_remake_for_late_users`, where the op's inputs are not alive at the late read but are made
+    by a short chain of recomputed pointwise ops and views from values that are (a normalisation's
+    affine output and the activation after it, remade from the saved normalisation input and its
+    statistics). The chain's values are alive together around the late read, so a copy is kept only
+    where it lowers the graph's `simulated_peak`."""
+    changed, tries = False, 0
+    peak = None
+    origin = lambda m: m.meta.get(REMADE_FROM, m.name)  # noqa: E731
+    remade: set[str] = set()  # each forward value is remade by one chain at most: bounded extra work
+    pos: dict[Node, int] = {}
+    work_before: list[int] = []
+    for n in list(graph.nodes):
+        if tries >= _CHAIN_TRIES:
+            break
+        if not _remakeable(n, dependent):
+            continue
+        if not pos:  # positions as the graph stands (after each kept copy, renumbered)
+            pos = {m: i for i, m in enumerate(graph.nodes)}
+            work_before = [0]
+            for m in graph.nodes:
+                work_before.append(work_before[-1] + (m in dependent))
+        users = sorted(n.users, key=pos.__getitem__)
+        first, late = users[0], users[-1]
+        if work_before[pos[late]] - work_before[pos[first] + 1] <= 0:
+            continue
+
+        chain, todo, ok = {n}, [n], True
+        while todo and ok:
+            for a in todo.pop().all_input_nodes:
+                if a in chain or a.op in ("placeholder", "get_attr") or any(pos[w] >= pos[late] for w in a.users):
+                    continue  # a backward input read later than before: the simulation weighs it
+                cls = op_class(a) if a.op == "call_function" else "input"
+                if (cls not in ("pointwise", "view") or a in dependent or _anchored(a, dependent)
+                        or not isinstance(a.meta.get("val"), torch.Tensor) or len(chain) >= _CHAIN_LIMIT):
+                    ok = False
+                    break
+                chain.add(a)
+                todo.append(a)
+        if not ok or len(chain) == 1 or any(origin(m) in remade for m in chain):
+            continue  # not a chain (the one-op case is `_remake_for_late_users`'s), or remade already
+        tries += 1
+        if peak is None:
+            peak = simulated_peak(graph)
+        later = [u for u in users if pos[u] > pos[first] and work_before[pos[u]] - work_before[pos[first] + 1] > 0]
+        at = later[0]
+        copies: dict[Node, Node] = {}
+        with graph.inserting_before(at):
+            for m in sorted(chain, key=pos.__getitem__):
+                c = graph.node_copy(m, lambda a, copies=copies: copies.get(a, a))
+                c.meta = {**m.meta, REMADE_FROM: m.meta.get(REMADE_FROM, m.name)}
+                copies[m] = c
+        for w in later:
+            w.replace_input_with(n, copies[n])
+        new_peak = simulated_peak(graph)
+        if new_peak < peak:
+            peak, changed = new_peak, True
+            remade.update(origin(m) for m in chain)
+            pos = {}
+            continue
+        for w in later:
+            w.replace_input_with(copies[n], n)
+        for m in sorted(chain, key=pos.__getitem__, reverse=True):
+            graph.erase_node(copies[m])
     return changed
