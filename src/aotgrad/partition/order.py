@@ -26,8 +26,8 @@ from .ops import op_class, tensor_nbytes
 
 __all__ = ["REMADE_FROM", "sink_recomputation"]
 
-# meta key of a value `_remake_for_late_users` made again: the name of the node it copies (the
-# recomputed forward op: a count of the backward's recomputation counts the copies too).
+# meta key of a value made again for its late users (either remake pass below): the name of the
+# node it copies (the recomputed forward op: a count of the backward's recomputation counts copies).
 REMADE_FROM = "aotgrad_remade_from"
 
 
