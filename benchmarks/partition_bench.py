@@ -139,6 +139,7 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
               reference, decompositions: dict | None = None) -> Measure:
     from aotgrad.partition.mincut import INFO_KEY
     from aotgrad.partition.ops import op_class, tensor_nbytes
+    from aotgrad.partition.order import REMADE_FROM
 
     m = Measure()
     mod, inputs = bm.factory()
@@ -182,7 +183,9 @@ def _compiled(bm: BenchModel, aot_function: Callable, aot_module: Callable, part
     fw, bw = seen["fw"], seen["bw"]
     m.graph_bytes = sum(tensor_nbytes(n.meta.get("val")) for n in list(fw.graph.output_node().args[0])[seen["n"]:])
     fw_ops = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-    again = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_ops]
+    # A value the backward remakes for its late users (partition/order.py) counts once per copy.
+    again = [n for n in bw.graph.nodes if n.op == "call_function"
+             and (n.name in fw_ops or n.meta.get(REMADE_FROM) in fw_ops)]
     classes = [op_class(n) for n in again]
     m.recomputed_free = sum(c in ("view", "free") for c in classes)
     m.recomputed = len(again) - m.recomputed_free
@@ -388,7 +391,7 @@ def report_live_peak(results: list[ModelResult]) -> tuple[bool, str]:
           "aotgrad.explain's timeline does), min-cut at each budget: aotgrad / upstream, and eager ==")
     budgets = list(results[0].sweep) if results else list(BUDGETS)
     headers = ["model", "eager"] + [f"b={b:g} aot/up" for b in budgets] + ["aotgrad <= both"]
-    rows, bad = [], []
+    rows, above_eager, above_upstream, failed = [], [], [], []
     for r in results:
         eager = r.sides["eager"].live_peak
         cells = [r.model, _kib(eager)]
@@ -398,18 +401,25 @@ def report_live_peak(results: list[ModelResult]) -> tuple[bool, str]:
             cells.append(f"{_kib(a.live_peak)} / {_kib(u.live_peak)}")
             if a.live_peak is None:
                 good = False
+                failed.append(f"{r.model}@{b:g}")
                 continue
-            limits = [x for x in (eager, u.live_peak) if x is not None]
-            if any(a.live_peak > x for x in limits):
+            if eager is not None and a.live_peak > eager:
                 good = False
-                bad.append(f"{r.model}@{b:g}")
+                above_eager.append(f"{r.model}@{b:g}")
+            if u.live_peak is not None and a.live_peak > u.live_peak:
+                good = False
+                above_upstream.append(f"{r.model}@{b:g}")
         cells.append("yes" if good else "NO")
         rows.append(cells)
     print(table(headers, rows, "l" + "r" * (len(headers) - 1)))
-    ok = not bad
+    print("   Rows '+inductor' run Inductor's decompositions op by op, unfused (nop compilers), on both compiled sides;")
+    print("   eager runs its own kernels: there the compiled sides hold decompositions' intermediates eager never makes.")
+    ok = not (above_eager or above_upstream or failed)
     line = f"live peak: aotgrad min-cut <= upstream min-cut and <= eager at every budget: {'PASS' if ok else 'FAIL'}"
-    if bad:
-        line += " | above at " + ", ".join(bad)
+    for what, where in (("above eager at", above_eager), ("above upstream at", above_upstream),
+                        ("not measured at", failed)):
+        if where:
+            line += f" | {what} " + ", ".join(where)
     return ok, line
 
 

@@ -129,10 +129,11 @@ class BudgetPoint:
 def recompute_cost(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> tuple[int, int]:
     """(FLOPs, op count) of the forward ops that the backward graph computes again."""
     from ..partition.mincut import estimate_flops, op_class
+    from ..partition.order import REMADE_FROM
 
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-    again = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_names
-             and op_class(n) not in ("view", "free")]
+    again = [n for n in bw.graph.nodes if n.op == "call_function"
+             and (n.name in fw_names or n.meta.get(REMADE_FROM) in fw_names) and op_class(n) not in ("view", "free")]
     return sum(estimate_flops(n) for n in again), len(again)
 
 

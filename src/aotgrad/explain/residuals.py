@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..partition.ops import op_class, tensor_nbytes
+from ..partition.order import REMADE_FROM
 
 MODULE_KEY = "aotgrad_module"
 
@@ -449,7 +450,7 @@ def _build_report(run, leaf_names, partitioner, runtime: _SavedCounter, eager: _
         Recomputed(n.name, _op_name(n.target), _source_line(n), n.meta.get(MODULE_KEY, ""),
                    op_class(n) in ("view", "free"))
         for n in bw.graph.nodes
-        if n.op == "call_function" and n.name in fw_ops
+        if n.op == "call_function" and (n.name in fw_ops or n.meta.get(REMADE_FROM) in fw_ops)
     ]
     return ResidualReport(partitioner, residuals, recomputed, total, runtime.nbytes, runtime.count,
                           eager.nbytes, eager.count, fw, bw, plan=plan, leaf_names=list(leaf_names))

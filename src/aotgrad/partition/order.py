@@ -7,6 +7,12 @@ above eager's, whose autograd engine recomputes nothing and frees each node's sa
 goes. `sink_recomputation` keeps the backward's own ops (those reading a tangent) and every op with
 a side effect in their order and moves each other op to just before its first user, as the autograd
 engine would run them (upstream calls the same idea `reordering_to_mimic_autograd_engine`).
+Then a recomputed pointwise value read again late (a chain's link, read at once to make the next
+link and late by its own derivative) is made again just before that late read, where its inputs are
+alive there anyway, instead of being held in between (`_remake_for_late_users`); where its inputs
+are not, a short chain of pointwise ops and views back to values that are is remade with it, kept
+only where that lowers the backward's simulated live peak (`_remake_chains_for_late_users`; each
+forward value remade by one chain at most).
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ import torch.fx
 from torch.fx import Node
 
 from ..trace.state import BACKWARD_MUTATION
+from .ops import op_class, tensor_nbytes
 
-__all__ = ["sink_recomputation"]
+__all__ = ["REMADE_FROM", "sink_recomputation"]
+
+# meta key of a value made again for its late users (either remake pass below): the name of the
+# node it copies (the recomputed forward op: a count of the backward's recomputation counts copies).
+REMADE_FROM = "aotgrad_remade_from"
 
 
 def _anchored(node: Node, tangent_dependent: set[Node]) -> bool:
@@ -33,7 +44,8 @@ def _anchored(node: Node, tangent_dependent: set[Node]) -> bool:
 
 def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Reorder `gm` (a backward graph) in place so that ops not reading a tangent run just before
-    their first user; everything else keeps its relative order. Returns `gm`."""
+    their first user; everything else keeps its relative order; then remake cheap recomputed values
+    for their late users (`_remake_for_late_users`). Returns `gm`."""
     graph = gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -62,13 +74,172 @@ def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in nodes:
         if n.op == "placeholder" or n.op == "output" or _anchored(n, dependent):
             emit_with_inputs(n)
-    if order == nodes:
-        return gm
     assert len(order) == len(nodes), "aotgrad internal error: backward reordering lost nodes"
-    cursor = order[0]
-    for n in order[1:]:
-        cursor.append(n)
-        cursor = n
-    graph.lint()
-    gm.recompile()
+    moved = order != nodes
+    if moved:
+        cursor = order[0]
+        for n in order[1:]:
+            cursor.append(n)
+            cursor = n
+    remade = _remake_for_late_users(graph, dependent)
+    remade |= _remake_chains_for_late_users(graph, dependent)
+    if remade or moved:
+        graph.lint()
+        gm.recompile()
     return gm
+
+
+def _remakeable(node: Node, dependent: set[Node]) -> bool:
+    """A recomputed pointwise op with one tensor output: cheap to run again, its own storage."""
+    return (node.op == "call_function" and node not in dependent and len(node.users) > 1
+            and isinstance(node.meta.get("val"), torch.Tensor) and op_class(node) == "pointwise"
+            and not _anchored(node, dependent))
+
+
+def _remake_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """Give the late users of a recomputed pointwise value their own copy of it, made just before
+    them, where every input of the op is alive there anyway (read at or after that point).
+
+    A recomputed chain (x -> sin -> cos -> ... in the forward) reads each link twice: at once, to
+    make the next link, and late, where the backward reaches the link's own derivative. Held from
+    the first read to the last, every link of the chain is alive when the backward starts on it:
+    twice the bytes where the op's input would serve, since that input is kept for the backward's
+    own late read. Made again from it, the value lives only around its late read. Only where
+    backward work (an op reading a tangent) runs between two reads: the copy costs one pointwise op."""
+    nodes = list(graph.nodes)
+    pos: dict[Node, float] = {n: float(i) for i, n in enumerate(nodes)}
+    work_before = [0]
+    for n in nodes:
+        work_before.append(work_before[-1] + (n in dependent))
+
+    def backward_work_between(a: Node, b: Node) -> bool:
+        return work_before[int(pos[b])] - work_before[int(pos[a]) + 1] > 0
+
+    def alive_at(value: Node, user: Node, skip: set[Node]) -> bool:
+        if value.op == "get_attr":
+            return True
+        return any(w not in skip and pos[w] >= pos[user] for w in value.users)
+
+    changed = False
+    for n in nodes:
+        if not _remakeable(n, dependent):
+            continue
+        users = sorted(n.users, key=pos.__getitem__)
+        holder, copies = n, {n}
+        for prev, u in zip(users, users[1:]):
+            if not backward_work_between(prev, u):
+                continue
+            if not all(alive_at(a, u, copies) for a in n.all_input_nodes):
+                continue
+            with graph.inserting_before(u):
+                copy = graph.node_copy(n)
+            copy.meta = {**n.meta, REMADE_FROM: n.meta.get(REMADE_FROM, n.name)}
+            pos[copy] = pos[u] - 0.5
+            for w in users[users.index(u):]:
+                w.replace_input_with(holder, copy)
+            holder = copy
+            copies.add(copy)
+            changed = True
+    return changed
+
+
+_CHAIN_LIMIT = 16  # ops remade for one late read at most
+_CHAIN_TRIES = 64  # candidate chains weighed per graph at most (each one simulation of the graph)
+
+
+def simulated_peak(graph: torch.fx.Graph) -> int:
+    """Live bytes at the highest point of running `graph` node by node, each value freed after its
+    last read (a view's reads count for its base's storage; inputs alive from the start)."""
+    nodes = list(graph.nodes)
+    root: dict[Node, Node] = {}
+    size: dict[Node, int] = {}
+    for n in nodes:
+        base = n.args[0] if n.op == "call_function" and n.args else None
+        if isinstance(base, Node) and op_class(n) in ("view", "free") and base in root:
+            root[n] = root[base]
+        else:
+            root[n] = n
+            size[n] = tensor_nbytes(n.meta.get("val")) if n.op != "output" else 0
+    last: dict[Node, int] = {}
+    for i, n in enumerate(nodes):
+        last[root[n]] = max(last.get(root[n], i), i)
+        for a in n.all_input_nodes:
+            last[root[a]] = max(last.get(root[a], i), i)
+    frees: dict[int, list[Node]] = {}
+    for r, i in last.items():
+        frees.setdefault(i, []).append(r)
+    live = peak = 0
+    for i, n in enumerate(nodes):
+        if root[n] is n:
+            live += size[n]
+        peak = max(peak, live)
+        for r in frees.get(i, ()):
+            live -= size[r]
+    return peak
+
+
+def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """As `_remake_for_late_users`, where the op's inputs are not alive at the late read but are made
+    by a short chain of recomputed pointwise ops and views from values that are (a normalisation's
+    affine output and the activation after it, remade from the saved normalisation input and its
+    statistics). The chain's values are alive together around the late read, so a copy is kept only
+    where it lowers the graph's `simulated_peak`."""
+    changed, tries = False, 0
+    peak = None
+    origin = lambda m: m.meta.get(REMADE_FROM, m.name)  # noqa: E731
+    remade: set[str] = set()  # each forward value is remade by one chain at most: bounded extra work
+    pos: dict[Node, int] = {}
+    work_before: list[int] = []
+    for n in list(graph.nodes):
+        if tries >= _CHAIN_TRIES:
+            break
+        if not _remakeable(n, dependent):
+            continue
+        if not pos:  # positions as the graph stands (after each kept copy, renumbered)
+            pos = {m: i for i, m in enumerate(graph.nodes)}
+            work_before = [0]
+            for m in graph.nodes:
+                work_before.append(work_before[-1] + (m in dependent))
+        users = sorted(n.users, key=pos.__getitem__)
+        first, late = users[0], users[-1]
+        if work_before[pos[late]] - work_before[pos[first] + 1] <= 0:
+            continue
+
+        chain, todo, ok = {n}, [n], True
+        while todo and ok:
+            for a in todo.pop().all_input_nodes:
+                if a in chain or a.op in ("placeholder", "get_attr") or any(pos[w] >= pos[late] for w in a.users):
+                    continue  # a backward input read later than before: the simulation weighs it
+                cls = op_class(a) if a.op == "call_function" else "input"
+                if (cls not in ("pointwise", "view") or a in dependent or _anchored(a, dependent)
+                        or not isinstance(a.meta.get("val"), torch.Tensor) or len(chain) >= _CHAIN_LIMIT):
+                    ok = False
+                    break
+                chain.add(a)
+                todo.append(a)
+        if not ok or len(chain) == 1 or any(origin(m) in remade for m in chain):
+            continue  # not a chain (the one-op case is `_remake_for_late_users`'s), or remade already
+        tries += 1
+        if peak is None:
+            peak = simulated_peak(graph)
+        later = [u for u in users if pos[u] > pos[first] and work_before[pos[u]] - work_before[pos[first] + 1] > 0]
+        at = later[0]
+        copies: dict[Node, Node] = {}
+        with graph.inserting_before(at):
+            for m in sorted(chain, key=pos.__getitem__):
+                c = graph.node_copy(m, lambda a, copies=copies: copies.get(a, a))
+                c.meta = {**m.meta, REMADE_FROM: m.meta.get(REMADE_FROM, m.name)}
+                copies[m] = c
+        for w in later:
+            w.replace_input_with(n, copies[n])
+        new_peak = simulated_peak(graph)
+        if new_peak < peak:
+            peak, changed = new_peak, True
+            remade.update(origin(m) for m in chain)
+            pos = {}
+            continue
+        for w in later:
+            w.replace_input_with(copies[n], n)
+        for m in sorted(chain, key=pos.__getitem__, reverse=True):
+            graph.erase_node(copies[m])
+    return changed

@@ -179,7 +179,10 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # Outputs that get no gradient are seen as None, for the inputs eager leaves None (below) and
     # for a backward specialised for their zeros (partition/zero_tangents.py; where no unchanged copy of the
     # backward graph was kept, the plain backward runs: the same code either way).
-    none_aware = bool(unreached) or len(diff) >= 2
+    # A non-differentiable output (a buffer's new value, an integer tensor) also turns it on: with
+    # grads materialised, autograd would hand the backward a tensor of zeros for it, of its size,
+    # alive through the whole backward for a gradient the graph never reads.
+    none_aware = bool(unreached) or len(diff) >= 2 or bool(diff and nondiff)
     static_shapes = _static_tangent_shapes(compiled, len(diff)) if none_aware else None
     if none_aware:
         # Outputs that get no gradient arrive as None (not zeros), so that inputs only they reach

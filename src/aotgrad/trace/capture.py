@@ -39,6 +39,7 @@ from ..signature.inputs import storage_groups as shared_storage_groups
 from ..torch_compat import compiling_session
 from . import analysis
 from .backward import _trace_backward
+from .batch_norm import drop_unread_running_stats
 from .cse import eliminate_common_subexpressions
 from .higher_order_marks import missing_derivative
 from .inputs import (
@@ -431,6 +432,7 @@ def _finish_graph(gm: torch.fx.GraphModule, in_graph_mutated: set[int]) -> None:
                 n.replace_all_uses_with(src)
                 graph.erase_node(n)
     _copy_before_unviewable_views(graph)
+    drop_unread_running_stats(graph)
     graph.eliminate_dead_code()
     eliminate_common_subexpressions(graph, keep_apart=(INPUT_CLONE, BACKWARD_MUTATION))
     graph.lint()
