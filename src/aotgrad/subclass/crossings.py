@@ -67,13 +67,16 @@ class _Site:
         """An argument's gradient nested less deeply than the argument (eager's, from a custom
         Function's backward): each plain part goes to the first inner tensor of the argument's
         matching part, the others get none; `rebuild_grad` picks them out again. None where the
-        gradient does not fit so."""
-        slots = gradient_slots(got, self.layout)
-        parts: list = [grad] if got is None else []
-        if got is not None:
-            flatten(grad, got, parts)
+        gradient does not fit so, or is plain altogether (refused: a plain gradient of a subclass
+        argument also comes from a plain tensor written with a subclass value, whose eager gradients
+        are the subclass's dispatch artefacts, not something a plain slot carries)."""
+        slots = None if got is None else gradient_slots(got, self.layout)
         shapes = self.plain_shapes
-        if slots is None or shapes is None or any(tuple(p.shape) != shapes[k] for k, p in zip(slots, parts)):
+        if slots is None or shapes is None:
+            return None
+        parts: list = []
+        flatten(grad, got, parts)
+        if any(tuple(p.shape) != shapes[k] for k, p in zip(slots, parts)):
             return None
         self.grad_layout, self.grad_slots = got, tuple(slots)
         out: list = [None] * self.layout.num_plain
@@ -121,8 +124,6 @@ class _Site:
             grads = [grads[k] for k in self.grad_slots]
             if None in grads:
                 return None
-            if layout is None:
-                return grads[0]
         if layout is None:
             return None
         if grads and grads[0] is not None and grads[0]._is_zerotensor():  # eager's structural zero (subclass/higher.py)
@@ -132,12 +133,10 @@ class _Site:
         return rebuild(layout, grads)
 
 
-def gradient_slots(got: SubclassLayout | None, layout: SubclassLayout) -> list[int] | None:
+def gradient_slots(got: SubclassLayout, layout: SubclassLayout) -> list[int] | None:
     """Positions among `layout`'s plain inner tensors for the plain parts of a gradient of layout
     `got` that is `layout` with some parts less nested (a plain part standing for a whole subclass
     part goes to that part's first inner tensor). None if `got` is not so."""
-    if got is None:
-        return [0]
     if got.cls is not layout.cls or got.attrs != layout.attrs:
         return None
     slots: list[int] = []

@@ -235,8 +235,12 @@ class Boundary:
             # a plain argument passed as is gets its metadata mutation replayed by the plain run; one whose
             # gradient is a subclass (`_Spread`) is passed as detached aliases, which do not carry it back
             plain_meta = {i: _layout_of_plain(leaves[i]) for i in self.spread}
+            gathered_versions = {k: leaves[i]._version for k, i in gathered.items()}
             with SubclassTraceRules(rebuilt) as rules:
                 out = fn(*args, **kwargs)
+            # a written one is not the caller's tensor as is: its new value and history come from the
+            # plain run (where an output aliasing it is refused, as for plain arguments)
+            gathered = {k: i for k, i in gathered.items() if leaves[i]._version == gathered_versions[k]}
             for i, meta in plain_meta.items():
                 if _layout_of_plain(leaves[i]) != meta:
                     raise UnsupportedMutationError(
