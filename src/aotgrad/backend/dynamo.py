@@ -83,6 +83,7 @@ from ..signature.inputs import alias_key, is_wrapper
 from ..trace.interpreter_stack import on_roomy_stack
 from . import precompile
 from .distributed import on_rank
+from .shapes import _anchor_positions, _Anchored, _fake_anchors, _ignoring_anchors, _PerShape
 
 __all__ = [
     "BackendCompileError",
@@ -278,9 +279,8 @@ class AotgradBackend:
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         # Imported here, not with this module: a cache or precompile load unpickles this class and
-        # needs none of the tracer (api) or of the per-shape machinery.
+        # needs none of the tracer (api).
         from ..api import _functional_call, _named_state, _plan_depends_on_aliasing
-        from .shapes import _anchor_positions, _Anchored, _fake_anchors, _ignoring_anchors, _PerShape
 
         if any(isinstance(x, list) for x in example_inputs):
             return _taking_lists(self._compile, gm, example_inputs)
