@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from . import config as config_module
 from . import observe
 from .compile.compile import compile_inference, compile_training
+from .compile.compilers import AOTConfig
 from .dynamic import shapes as dynamic_shapes
 from .errors import AotgradError, DataDependentError
 from .partition.default import default_partition
@@ -41,20 +42,6 @@ from .trace.refusal_source import numpy_error, with_user_line
 from .trace.state import NeedsSyntheticBase, NeedsTraining
 
 log = logging.getLogger("aotgrad.api")
-
-
-@dataclass(frozen=True)
-class AOTConfig:
-    fw_compiler: Callable
-    bw_compiler: Callable
-    inference_compiler: Callable
-    partition_fn: Callable
-    decompositions: dict
-    num_params_buffers: int
-    keep_inference_input_mutations: bool
-    dynamic: bool
-    enable_log: bool = True
-    disable_functionalization: bool = False  # compilers get graphs with in-place ops (compile/inplace_graphs.py)
 
 
 def compile_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, config: AOTConfig) -> Callable:

@@ -60,17 +60,15 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from .. import config
-from ..api import AOTConfig, _functional_call, _named_state, _plan_depends_on_aliasing, compile_signature
 from ..cache import artifacts as cache_artifacts  # noqa: F401 (registers itself with torch's cache artifacts)
 from ..cache import store as cache
-from ..compile.compilers import nop, wants_functional_graphs
+from ..compile.compilers import AOTConfig, nop, wants_functional_graphs
 from ..dynamic.shapes import caller_fakes as _fake_inputs
 from ..dynamic.shapes import concrete_values
 from ..dynamic.shapes import fake_state as _fake_state
 from ..dynamic.shapes import is_symbolic as _is_symbolic
 from ..dynamic.shapes import needs_concrete_sizes as _plan_needs_concrete_sizes
 from ..dynamic.shapes import sizes_determined as _sizes_determined
-from ..explain.graphs import explain_graph
 from ..inductor.compilers import (
     _fake_bw_inputs,
     _inductor_decompositions,
@@ -81,7 +79,6 @@ from ..inductor.compilers import (
 )
 from ..inductor.context import BackendCompileError, _compile_context, _describe_failure, _must_propagate
 from ..inductor.cudagraphs import StaticInputs, static_leaf_positions
-from ..partition.default import default_partition
 from ..runtime.input_checks import InputsChecked
 from ..signature.inputs import alias_key, is_wrapper
 from ..trace.interpreter_stack import on_roomy_stack
@@ -180,6 +177,8 @@ class AotgradBackend:
             return precompile.compile_graph(self, gm, list(example_inputs), **kwargs)
         chosen = self._with_compile_options(example_inputs, **kwargs)
         if config.explain_dir:  # one report per graph (explain/graphs.py); never fails the compile
+            from ..explain.graphs import explain_graph
+
             explain_graph(gm, example_inputs, chosen, config.explain_dir)
         try:
             with chosen._inductor_patches():
@@ -273,6 +272,10 @@ class AotgradBackend:
         )
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        # Imported here, not with this module: a cache or precompile load unpickles this class and
+        # needs none of the tracer (api).
+        from ..api import _functional_call, _named_state, _plan_depends_on_aliasing
+
         if any(isinstance(x, list) for x in example_inputs):
             return _taking_lists(self._compile, gm, example_inputs)
         if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
@@ -365,6 +368,8 @@ class AotgradBackend:
 
     def _compile_now(self, fn, leaves: list, *, symbolic: bool, probe: cache.Probe | None = None,
                      static: StaticInputs | None = None) -> Callable:
+        from ..api import compile_signature
+
         spec = pytree.tree_flatten((tuple(leaves), {}))[1]
         with _compile_context(leaves):
             if probe is not None:  # the on-disk cache: load, or compile and store
@@ -491,6 +496,6 @@ def _default_partitioner() -> Callable:
         fn = getattr(where, "min_cut_rematerialization_partition", None)
         if fn is not None:
             return fn
-    return default_partition
+    return partition_module.default_partition
 
 

@@ -14,7 +14,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from .. import config
-from ..api import AOTConfig, CompiledFunction, _plan_depends_on_aliasing, compile_signature
+from ..compile.compilers import AOTConfig
 from ..dynamic.shapes import context_fake_mode as _context_fake_mode
 from ..dynamic.shapes import free_symbols as _free_symbols
 from ..inductor.context import _describe_failure, _must_propagate
@@ -27,9 +27,13 @@ class _PerShape:
     `BackendCompileError`, or with `config.fallback_to_eager` warns once and runs eagerly."""
 
     def __init__(self, fn: Callable, aot_config: AOTConfig):
+        # the tracer: imported here, a load (which never compiles per shape) does not need it
+        from ..api import CompiledFunction
+
         self.inner = CompiledFunction(fn, aot_config)
 
     def prepare(self, leaves: list) -> Callable:
+        from ..api import _plan_depends_on_aliasing, compile_signature
         from ..signature import inputs as inputs_stage
 
         inner = self.inner

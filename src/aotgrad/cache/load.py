@@ -65,7 +65,6 @@ class LoadedForward(CompiledForward):
 def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: Callable) -> Callable:
     """The generated `run(leaves)` for a cached signature. `on_backward(artifact)` is called when a
     backward without an Inductor key gets compiled (its key goes into the entry)."""
-    from ..api import CompiledFunction
     from ..compile.compile import _aot_ids
     from ..compile.compilers import boxed, naming
     from ..inductor import cudagraphs
@@ -124,12 +123,17 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
         )
         # The cold compile's differentiable backward (create_graph=True) and None-gradient
         # specialisation: their pristine graphs are unpickled when such a backward first runs.
-        attach(compiled, entry.higher_order, graphs.load,
-               lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)))
+        attach(compiled, entry.higher_order, graphs.load, lambda f: _compiled_function(f, config))
     run = build_runner(plan, compiled)
     run.plan = plan
     run.compiled = compiled
     return run
+
+
+def _compiled_function(f: Callable, config: Any) -> Callable:
+    from ..api import CompiledFunction  # the tracer: only when a differentiable backward first runs
+
+    return CompiledFunction(f, replace(config, num_params_buffers=0))
 
 
 class _Graphs:

@@ -10,9 +10,27 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx
+
+
+@dataclass(frozen=True)
+class AOTConfig:
+    """What one compile uses: the compilers, the partitioner, the decomposition table and options
+    (here, not in api.py, so that a cache or precompile load builds one without importing the tracer)."""
+
+    fw_compiler: Callable
+    bw_compiler: Callable
+    inference_compiler: Callable
+    partition_fn: Callable
+    decompositions: dict
+    num_params_buffers: int
+    keep_inference_input_mutations: bool
+    dynamic: bool
+    enable_log: bool = True
+    disable_functionalization: bool = False  # compilers get graphs with in-place ops (compile/inplace_graphs.py)
 
 
 def make_boxed_func(f: Callable) -> Callable:

@@ -12,7 +12,6 @@ import torch
 import torch.fx
 
 from .. import config
-from ..api import _named_state
 from ..dynamic import shapes as dynamic_shapes
 from ..errors import AotgradError
 
@@ -62,6 +61,8 @@ def _input_names(message: str, gm: torch.fx.GraphModule) -> str | None:
     m = re.search(r"\binputs? \[?(\d+)", message)
     if not m:
         return None
+    from ..api import _named_state  # here: a load, which imports this module, needs no tracer
+
     names, _ = _named_state(gm)
     i = int(m.group(1)) - len(names)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
