@@ -216,3 +216,17 @@ def test_fuzz_20000_programs():
     18,019 checked (README, session 21: too long to set a budget per reason here)."""
     summary = fuzz.run(20000, seed=1, shrink_failures=False, out_dir=None)
     assert_fuzz_gate(summary, "aot_function", {}, total=1518)
+
+
+def test_second_order_check_compares_each_compiled_call_with_eager_in_the_same_module_mode():
+    """Seed 0 program 256 closes over a fuzz Holder, which make_inputs switches between train and
+    eval every second call: eager's reference was computed once (train) and compared with compiled
+    calls in eval, a mismatch of the harness, not of aotgrad. Each compiled call gets its own eager
+    reference now, made just before it."""
+    from aotgrad.testing.fuzz import order2
+    from aotgrad.testing.fuzz.subclass import with_two_tensor_inputs
+
+    prog = fuzz.generate(0, 256)
+    assert "Holder" in prog.reproducer()
+    out = order2.check_program(prog, wrap_inputs=with_two_tensor_inputs)
+    assert out.kind == "matched", (out.kind, out.message)

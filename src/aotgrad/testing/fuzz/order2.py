@@ -123,6 +123,9 @@ def check_program(prog: Program, *, eager_checked: bool = False, explain_mismatc
         try:
             compiled = _compile(f, prog, backend)
             for call in range(2):  # noqa: B007 - `call` is read in the handlers
+                # eager again just before each compiled call: make_inputs moves closed-over state
+                # along (fuzz/closures.Holder switches train/eval every second call), in pairs
+                ref = second_order(f, make_inputs)
                 got = second_order(compiled, make_inputs)
                 try:
                     _compare(ref, got)
