@@ -1534,3 +1534,18 @@ def test_view_of_an_intermediate_later_marked_requires_grad_is_refused_not_a_tor
 
     with pytest.raises(UnsupportedOutputError, match="marked with requires_grad_"):
         aot_function(f, nop)(torch.randn(3, 1))
+
+
+def test_write_through_an_expand_of_a_bool_input_under_dynamic_is_refused_not_a_torch_error():
+    """--dynamic seed 4 program 166: functionalization writes back through `expand` by subtracting,
+    which torch refuses for bool tensors; make_fx's symbolic trace records the subtraction without
+    its check, so the graph failed when it ran (torch's raw error). Refused by name, as with static
+    sizes."""
+
+    def f(a0):
+        a0.expand((1, 2, 4, 2)).diagonal(-1, 1, 2).mul_(True)
+        return (a0.sum(),)
+
+    for dynamic in (False, True):
+        with pytest.raises(UnsupportedMutationError, match="functionalization cannot express"):
+            aot_function(f, nop, dynamic=dynamic)(torch.randint(0, 2, (2, 4, 2)).bool())

@@ -177,8 +177,20 @@ def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mod
         gm = make_fx(traced, decomposition_table=decompositions, _disable_torch_fn_metadata_mode=True)(
             list(fake_primals)
         )
+    _refuse_bool_subtraction(gm)
     _keep_item_memos(gm, fake_primals)
     return gm
+
+
+def _refuse_bool_subtraction(gm: torch.fx.GraphModule) -> None:
+    """Under symbolic sizes make_fx records `aten.sub` of two bool tensors without running its check
+    (with concrete sizes it raises while tracing). Eager's program cannot contain one (it raises
+    first), so it is functionalization's write back through a bool view: raised here as the
+    concrete trace raises it, and refused by name like it."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sub.Tensor):
+        vals = [getattr(a, "meta", {}).get("val") for a in node.args[:2]]
+        if all(isinstance(v, torch.Tensor) and v.dtype is torch.bool for v in vals):
+            raise RuntimeError(f"Subtraction, the `-` operator, {_BOOL_SUBTRACTION} (node {node.name})")
 
 
 def _keep_item_memos(gm: torch.fx.GraphModule, fake_primals: list) -> None:
@@ -194,12 +206,13 @@ def _keep_item_memos(gm: torch.fx.GraphModule, fake_primals: list) -> None:
 
 
 # Messages of functionalization/autograd limits hit while tracing programs eager runs fine.
+_BOOL_SUBTRACTION = "with two bool tensors is not supported"
 _FUNCTIONALIZATION_LIMITS = (
     "mutation on a view chain",
     "Can't detach views in-place",
     "INTERNAL ASSERT FAILED",
     "more than one element of the written-to tensor",
-    "with two bool tensors is not supported",  # scattering a write back through a bool view
+    _BOOL_SUBTRACTION,  # scattering a write back through a bool view
 )
 
 
