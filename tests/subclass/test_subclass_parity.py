@@ -330,3 +330,24 @@ def test_a_written_plain_argument_with_a_subclass_gradient_returned_as_is_is_ref
     r = torch.randn(3, requires_grad=True)
     with pytest.raises(aotgrad.AotgradError, match="output 0 aliases input"):
         compiled(r.clone(), two(3))
+
+
+def _three_outputs(x, w):
+    return torch.sin(x) * w, x.cos(), (x * 2).sum()
+
+
+def test_a_subclass_gradient_beside_outputs_without_gradient_runs_op_by_op():
+    """Only the first output gets a gradient, a TwoTensor; the others get None: the backward still
+    runs op by op (zeros in their place), not the compiled backward specialised for the None ones
+    (Inductor's kernels cannot take a TwoTensor)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_three_outputs, backend="aotgrad", fullgraph=True)
+    for seed in range(3):
+        grads = []
+        for run in (_three_outputs, compiled):
+            torch.manual_seed(seed)
+            x, w = torch.randn(4, requires_grad=True), torch.randn(4)
+            scale = two(4, requires_grad=False)
+            (run(x, w)[0] * scale).sum().backward()
+            grads.append(x.grad)
+        assert_same(grads[1], grads[0], "grad of x")

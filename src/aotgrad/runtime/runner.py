@@ -232,11 +232,12 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     # inline (compile.CompiledForward.traceable_backward), without the lock or the compiler call.
     bw.globals["_is_compiling"] = torch.compiler.is_compiling
     run_bw = f"({cfw}.traceable_backward(args) if _is_compiling() else {run_bw})"
-    run_bw = f"({cfw}.backward_by_dispatch(args, by_dispatch) if by_dispatch is not None else {run_bw})"
     if none_aware:
         bw.emit(f"nones = {_tuple_src([f't{j} is None' for j in range(len(diff))])}")
         run_bw = (f"({cfw}.backward_with_none_tangents(nones, args) if True in nones and not _is_compiling() "
                   f"and not _any_autocast() else {run_bw})")
+    # outermost: a subclass gradient beside missing ones still runs op by op (zeros in their place)
+    run_bw = f"({cfw}.backward_by_dispatch(args, by_dispatch) if by_dispatch is not None else {run_bw})"
     # The node lets go of its saved tensors (unless retain_graph keeps them for another backward),
     # so the boxed graph, which clears `args`, frees each activation after its last use: the
     # backward's peak memory is then what the graph needs, not that plus every saved activation.
@@ -459,7 +460,7 @@ def _output_values(gm: torch.fx.GraphModule) -> list:
 
 
 class SubclassGradient(Exception):
-    """Internal: a compiled plain backward received a subclass gradient (see build_function)."""
+    """Internal: a compiled plain backward received a subclass gradient (make_autograd_function)."""
 
 
 def _contiguous(g: torch.Tensor, i: int = -1) -> torch.Tensor:
