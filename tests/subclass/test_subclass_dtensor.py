@@ -91,6 +91,7 @@ def _rank_main(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=TIMEOUT)
     try:
         _train_and_compare(init_device_mesh("cpu", (2,)), None)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit)
     finally:
         dist.destroy_process_group()
 
