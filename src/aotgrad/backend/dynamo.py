@@ -69,6 +69,7 @@ from ..dynamic.shapes import fake_state as _fake_state
 from ..dynamic.shapes import is_symbolic as _is_symbolic
 from ..dynamic.shapes import needs_concrete_sizes as _plan_needs_concrete_sizes
 from ..dynamic.shapes import sizes_determined as _sizes_determined
+from ..inductor import isa_probe
 from ..inductor.compilers import (
     _fake_bw_inputs,
     _inductor_decompositions,
@@ -180,6 +181,9 @@ class AotgradBackend:
             from ..explain.graphs import explain_graph
 
             explain_graph(gm, example_inputs, chosen, config.explain_dir)
+        # Inductor's CPU kernels wait for its ISA probe: it runs while aotgrad traces or loads.
+        if self.use_inductor and _any_cpu_tensor(example_inputs) and isa_probe.start(chosen.inductor_patches):
+            isa_probe.prefetch_imports()
         try:
             with chosen._inductor_patches():
                 return on_roomy_stack(chosen._compile, gm, list(example_inputs))
@@ -191,6 +195,8 @@ class AotgradBackend:
                 warnings.warn(f"{err} Running this graph eagerly (aotgrad.config.fallback_to_eager).", stacklevel=2)
                 return _no_dynamo(gm.forward)
             raise err from e
+        finally:
+            isa_probe.wait()
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -445,6 +451,10 @@ aotgrad_backend, aotgrad_eager = _make_default_backends()
 def _no_dynamo(fn: Callable) -> Callable:
     """Dynamo must not trace into compiled graphs or the generated run time."""
     return torch._dynamo.disable(fn, reason="aotgrad: compiled graph")
+
+
+def _any_cpu_tensor(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
 
 
 def _no_dynamo_compiler(compiler: Callable) -> Callable:

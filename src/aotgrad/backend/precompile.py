@@ -40,6 +40,7 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 from ..cache.key import Uncacheable, aotgrad_version, torch_version
 from ..cache.store import Probe
 from ..errors import AotgradError
+from ..inductor import isa_probe
 from ..inductor.context import BackendCompileError, _describe_failure, _must_propagate
 
 log = logging.getLogger("aotgrad.precompile")
@@ -298,15 +299,21 @@ def load(data: bytes) -> Callable:
     from ..runtime.input_checks import InputsChecked
 
     saved = _decode(data)
-    _restore_inductor_files(saved.inductor_files)
     backend = saved.backend
-    leaves = _fakes(saved.leaves)
-    entry = saved.entry
+    # Inductor's C++ kernels wait for its ISA probe: it runs while the rest of the load does.
+    probing = bool(saved.inductor_files) and _any_cpu(saved.leaves) and isa_probe.start(backend.inductor_patches)
     try:
+        _restore_inductor_files(saved.inductor_files)
+        leaves = _fakes(saved.leaves)
+        entry = saved.entry
+        if probing:
+            isa_probe.prefetch_imports()
         with backend._inductor_patches(), compile_context(leaves):
             run = rebuild(entry, leaves, backend._aot_config(False), backend, lambda artifact: None)
     except ArtifactMissing as e:
         raise PrecompileLoadError(f"aotgrad: a precompiled graph's compiled code could not be loaded: {e}") from e
+    finally:
+        isa_probe.wait()
     if saved.check_sizes or saved.check_aliasing:
         run = InputsChecked(run, leaves, _other_inputs, check_sizes=saved.check_sizes,
                             check_aliasing=saved.check_aliasing, sizes_fixed=saved.sizes_fixed)
@@ -334,6 +341,10 @@ def _restore_inductor_files(files: dict) -> None:
         for content in contents:
             if not os.path.exists(os.path.join(folder, sha256_hash(content))):
                 InductorCacheArtifact(key, content).populate_cache()
+
+
+def _any_cpu(leaves: tuple) -> bool:
+    return any(desc[0] != "value" and torch.device(desc[5]).type == "cpu" for desc in leaves)
 
 
 def _fakes(leaves: tuple) -> list:

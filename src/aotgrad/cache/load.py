@@ -183,7 +183,7 @@ def load_inductor(compilers: Any, record: GraphRecord, kind: str, primals: list,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from ..inductor import cudagraphs
+    from ..inductor import cudagraphs, isa_probe
     from ..inductor.compilers import _mode_of
 
     fake_mode = _mode_of(primals)
@@ -191,6 +191,7 @@ def load_inductor(compilers: Any, record: GraphRecord, kind: str, primals: list,
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     patches = compilers.patches if kind == "backward" else compilers.forward_patches
     constants = CompiledFxGraphConstants()
+    isa_probe.wait()
     with inductor_config.patch(patches), V.set_fake_mode(fake_mode), tracing(TracingContext(fake_mode)):
         graph, info = FxGraphCache.load_with_key(
             record.inductor_key, [], [], local=True, remote_cache=None, is_backward=kind == "backward",

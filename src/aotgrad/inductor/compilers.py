@@ -15,7 +15,7 @@ import torch.fx
 
 from .. import config
 from ..compile.compile import SAME_INPUTS_AS, placeholder_values
-from . import cudagraphs
+from . import cudagraphs, isa_probe
 from .context import BackendCompileError, _compile_context, _graph_ids
 
 log = logging.getLogger("aotgrad.inductor")
@@ -190,6 +190,7 @@ class _InductorCompilers:
         # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
         out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
         kind = "backward" if is_backward else "inference" if is_inference else "forward"
+        isa_probe.wait()  # Inductor's first C++ kernel asks for the probe's result
         with self._context(example, self.patches if is_backward else self.forward_patches):
             graph_kwargs, saved = self._cudagraph_kwargs(gm, kind, primals, forward, visible)
             requested = graph_kwargs["cudagraphs"].value
