@@ -311,10 +311,13 @@ def test_a_plain_gradient_for_a_subclass_argument_stays_refused_by_name():
 
 
 def test_a_less_nested_gradient_under_create_graph_is_refused_by_name():
+    """Only a custom Function's backward gives such a gradient, and a second derivative through a
+    custom Function is refused first, by the plain run's higher-order check (the subclass stage's
+    own refusal of a less nested gradient, `higher._refuse_spread`, stays behind it as a guard)."""
     compiled = aotgrad.aot_function(lambda x: _LessNestedGradient.apply(x).sin(), aotgrad.nop)
     x = nested(3)
     y = compiled(x).sum()
-    with pytest.raises(aotgrad.HigherOrderError):
+    with pytest.raises(aotgrad.HigherOrderError, match="inside a custom autograd.Function"):
         torch.autograd.grad(y, x, create_graph=True)
 
 

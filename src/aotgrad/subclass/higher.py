@@ -194,6 +194,8 @@ def mark_spread(boundary) -> None:
 
 
 def _refuse_spread(site) -> None:
+    # A gradient nested less deeply than its argument comes from a custom Function's backward, and
+    # create_graph through one is refused before this (higher_order/backward.py): a guard behind it.
     if site.grad_slots is not None and not site.tracing:
         raise HigherOrderError(
             f"aotgrad: backward with create_graph=True through a compiled function where the gradient of "
