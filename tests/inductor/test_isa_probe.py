@@ -89,6 +89,21 @@ def test_options_that_decide_the_probe_keep_it_on_inductors_path(tmp_path):
     assert got["probe_threads_alive"] == []
 
 
+def test_only_graphs_all_on_the_cpu_start_the_probe():
+    """A GPU graph with a CPU scalar (an optimizer's lr) must not wait for a probe Inductor would
+    never run; meta tensors stand in for another device here."""
+    from aotgrad.backend.dynamo import _cpu_graph
+    from aotgrad.backend.precompile import _cpu_graph as _saved_cpu_graph
+
+    assert _cpu_graph([torch.randn(2), 3])
+    assert not _cpu_graph([torch.randn(2), torch.empty(2, device="meta")])
+    assert not _cpu_graph([3, 2.0])
+    cpu = ("tensor", (2,), (1,), 0, torch.float32, "cpu", False)  # as precompile saves it
+    other = ("tensor", (2,), (1,), 0, torch.float32, "meta", False)
+    assert _saved_cpu_graph((cpu, ("value", 3)))
+    assert not _saved_cpu_graph((cpu, other))
+
+
 if __name__ == "__main__":
     import warnings
 

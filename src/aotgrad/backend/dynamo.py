@@ -182,7 +182,7 @@ class AotgradBackend:
 
             explain_graph(gm, example_inputs, chosen, config.explain_dir)
         # Inductor's CPU kernels wait for its ISA probe: it runs while aotgrad traces or loads.
-        if self.use_inductor and _any_cpu_tensor(example_inputs) and isa_probe.start(chosen.inductor_patches):
+        if self.use_inductor and _cpu_graph(example_inputs) and isa_probe.start(chosen.inductor_patches):
             isa_probe.prefetch_imports()
         try:
             with chosen._inductor_patches():
@@ -453,8 +453,11 @@ def _no_dynamo(fn: Callable) -> Callable:
     return torch._dynamo.disable(fn, reason="aotgrad: compiled graph")
 
 
-def _any_cpu_tensor(example_inputs: Sequence[Any]) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs)
+def _cpu_graph(example_inputs: Sequence[Any]) -> bool:
+    """Tensors, all on the CPU: Inductor will build C++ kernels. A GPU graph with CPU scalars (an
+    optimizer's `lr`) usually needs none, and must not wait for a probe it would never run."""
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    return devices == {"cpu"}
 
 
 def _no_dynamo_compiler(compiler: Callable) -> Callable:

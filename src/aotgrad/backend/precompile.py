@@ -301,7 +301,7 @@ def load(data: bytes) -> Callable:
     saved = _decode(data)
     backend = saved.backend
     # Inductor's C++ kernels wait for its ISA probe: it runs while the rest of the load does.
-    probing = bool(saved.inductor_files) and _any_cpu(saved.leaves) and isa_probe.start(backend.inductor_patches)
+    probing = bool(saved.inductor_files) and _cpu_graph(saved.leaves) and isa_probe.start(backend.inductor_patches)
     try:
         _restore_inductor_files(saved.inductor_files)
         leaves = _fakes(saved.leaves)
@@ -343,8 +343,9 @@ def _restore_inductor_files(files: dict) -> None:
                 InductorCacheArtifact(key, content).populate_cache()
 
 
-def _any_cpu(leaves: tuple) -> bool:
-    return any(desc[0] != "value" and torch.device(desc[5]).type == "cpu" for desc in leaves)
+def _cpu_graph(leaves: tuple) -> bool:
+    """Tensor inputs all on the CPU (see backend/dynamo.py's `_cpu_graph`)."""
+    return {torch.device(desc[5]).type for desc in leaves if desc[0] != "value"} == {"cpu"}
 
 
 def _fakes(leaves: tuple) -> list:
