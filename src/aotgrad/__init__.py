@@ -23,6 +23,8 @@ from .cache.store import cache_stats, clear_cache
 from .errors import (
     AotgradError,
     BackwardMutationError,
+    CompilerError,
+    DataDependentError,
     HigherOrderError,
     InplaceOnLeafError,
     UnsupportedAliasingError,
@@ -78,6 +80,8 @@ __all__ = [
     "AOTModule",
     "AotgradError",
     "BackwardMutationError",
+    "CompilerError",
+    "DataDependentError",
     "HigherOrderError",
     "BackwardSignature",
     "GraphSignature",

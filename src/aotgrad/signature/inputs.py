@@ -49,6 +49,8 @@ def _constant_key(v: Any) -> Any:
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
+    if t.layout is not torch.strided:  # no strides or offset: the key only leads to check_supported's refusal
+        return (type(t), t.shape, t.dtype, t.device, t.layout, t.requires_grad, t.is_leaf)
     key = (
         type(t), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.layout,
         t.requires_grad, t.is_leaf,

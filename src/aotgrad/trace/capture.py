@@ -248,6 +248,8 @@ def _trace_body(fn, layout, leaves, primals, state, *, training, keep_in_graph, 
         out = fn(*args, **kwargs)
     flat_out, out_spec = pytree.tree_flatten(out)
     subclass_layout.refuse_subclass_outputs(flat_out)  # retraced through the subclass stage
+    if training:
+        _refuse_sparse_outputs_requiring_grad(flat_out)
     if hooks.requires_grad_called:
         _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged=bool(layout.leaf_views))
     with mode:  # reading a view's grad_fn may regenerate it (its base marked with requires_grad_() later)
@@ -346,6 +348,18 @@ def _refuse_requires_grad_on_shared_inputs(leaves, user_leaves, merged: bool = F
                 f"aotgrad: the program calls requires_grad_() on input {i} (or on a tensor sharing its "
                 "memory), which is a view or shares memory with another input. Call requires_grad_() on "
                 "it before the call."
+            )
+
+
+def _refuse_sparse_outputs_requiring_grad(flat_out) -> None:
+    """The compiled backward takes dense gradients; a sparse output's gradient arrives sparse
+    (OpInfo `to_sparse`: torch's raw "unsupported memory format" error in the backward)."""
+    for pos, o in enumerate(flat_out):
+        if isinstance(o, torch.Tensor) and o.layout is not torch.strided and o.requires_grad:
+            raise UnsupportedOutputError(
+                f"aotgrad: output {pos} is a {o.layout} tensor that requires grad; aotgrad's compiled backward "
+                "takes dense (strided) gradients. Return it dense and convert it outside the compiled function "
+                "(e.g. call .to_sparse() on the result), or detach it."
             )
 
 

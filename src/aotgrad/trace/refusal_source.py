@@ -16,7 +16,7 @@ import types
 from ..errors import AotgradError, DataDependentError
 from ..node_meta import _is_user_file
 
-__all__ = ["numpy_error", "user_line", "with_user_line"]
+__all__ = ["numpy_error", "unallocated_data_error", "user_line", "with_user_line"]
 
 _AOTGRAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _MARK = "\n  at "
@@ -64,4 +64,17 @@ def numpy_error(e: BaseException) -> DataDependentError | None:
         "traces the program with placeholder tensors that hold no values. Use torch operations instead, or "
         "move the conversion out of the compiled function (torch.compile(fn, backend=\"aotgrad\") runs it "
         "eagerly between graphs)."
+    )
+
+
+def unallocated_data_error(e: BaseException) -> DataDependentError | None:
+    """aotgrad's error for an op whose kernel reads a tensor argument's values directly (torch's
+    "data is not allocated yet": `tensor_split` with its indices as a tensor), else None."""
+    if not (isinstance(e, RuntimeError) and "its data is not allocated yet" in str(e)):
+        return None
+    return DataDependentError(
+        "aotgrad: the program calls an op whose kernel reads the values of a tensor argument (e.g. "
+        "tensor_split's indices given as a tensor); aot_function traces the program with placeholder tensors "
+        "that hold no values. Pass those values as Python ints or lists, or use torch.compile(fn, "
+        "backend=\"aotgrad\"), which runs such ops eagerly between graphs."
     )
