@@ -96,3 +96,8 @@ def test_full_sweep():
     not_passed = sweep.upstream_passes_aotgrad_does_not(results)
     assert not not_passed, "ops upstream passes and aotgrad does not:\n" + "\n".join(
         f"  {name}: [{r.status}] {r.detail}" for name, r in sorted(not_passed.items()))
+    # where aotgrad cannot run an op, it says so with its own error, never torch's raw one
+    raw = {name: r["aotgrad"] for name, r in results.items()
+           if r["aotgrad"].status == "error" and ": aotgrad" not in r["aotgrad"].detail}
+    assert not raw, "ops failing with a raw torch error under aotgrad:\n" + "\n".join(
+        f"  {name}: {r.detail}" for name, r in sorted(raw.items()))
