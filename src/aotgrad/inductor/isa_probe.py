@@ -39,10 +39,16 @@ def start(patches: dict | None = None) -> bool:
         return False
     import importlib
 
-    for name in _PROBE_MODULES:
-        importlib.import_module(name)
-    from torch._inductor import config as inductor_config
-    from torch._inductor import cpu_vec_isa
+    try:
+        for name in _PROBE_MODULES:
+            importlib.import_module(name)
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.valid_vec_isa_list.cache_info  # noqa: B018 - a torch whose probe is laid out otherwise
+    except (ImportError, AttributeError):
+        log.debug("aotgrad: Inductor's ISA probe is not where this torch keeps it; it runs in line")
+        return False
 
     with _lock:
         if _thread is not None or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
