@@ -1549,3 +1549,24 @@ def test_write_through_an_expand_of_a_bool_input_under_dynamic_is_refused_not_a_
     for dynamic in (False, True):
         with pytest.raises(UnsupportedMutationError, match="functionalization cannot express"):
             aot_function(f, nop, dynamic=dynamic)(torch.randint(0, 2, (2, 4, 2)).bool())
+
+
+def test_write_into_a_no_grad_view_of_a_marked_view_input_is_refused_not_a_torch_error():
+    """Seed 24 program 7703: input 0 is a view of a tensor the caller did not pass, and the program
+    marks it with requires_grad_(), takes a view of it under no_grad and zeroes that view with grad
+    mode on. Eager lets it through (the view belongs to the unpassed base, which requires no grad);
+    the trace raised torch's "A view was created in no_grad mode and is being modified inplace". Now
+    refused by name, as is the same program on a plain input, where eager raises that error itself."""
+
+    def f(a0, a1):
+        a0.requires_grad_()
+        with torch.no_grad():
+            v = a0.view((-1,))
+        v.zero_()
+        return a1 * 2, v
+
+    x = torch.randn(3).view(3)
+    f(x, torch.randn(3, requires_grad=True))  # eager runs it
+    for a0 in (torch.randn(3).view(3), torch.randn(3)):
+        with pytest.raises(UnsupportedMutationError, match="into a view it took under no_grad"):
+            aot_function(f, nop)(a0, torch.randn(3, requires_grad=True))

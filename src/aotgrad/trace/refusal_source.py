@@ -13,10 +13,10 @@ import linecache
 import os
 import types
 
-from ..errors import AotgradError, DataDependentError
+from ..errors import AotgradError, DataDependentError, UnsupportedMutationError
 from ..node_meta import _is_user_file
 
-__all__ = ["numpy_error", "unallocated_data_error", "user_line", "with_user_line"]
+__all__ = ["no_grad_view_write_error", "numpy_error", "unallocated_data_error", "user_line", "with_user_line"]
 
 _AOTGRAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _MARK = "\n  at "
@@ -77,4 +77,19 @@ def unallocated_data_error(e: BaseException) -> DataDependentError | None:
         "tensor_split's indices given as a tensor); aot_function traces the program with placeholder tensors "
         "that hold no values. Pass those values as Python ints or lists, or use torch.compile(fn, "
         "backend=\"aotgrad\"), which runs such ops eagerly between graphs."
+    )
+
+
+def no_grad_view_write_error(e: BaseException) -> UnsupportedMutationError | None:
+    """aotgrad's error for torch's "A view was created in no_grad mode and is being modified inplace
+    with grad mode enabled", raised by the trace (fuzz seed 24 program 7703), else None. Eager raises
+    it too, except where the viewed tensor is itself a view of one that requires no grad: the new view
+    then belongs to that base, and eager's autograd never sees the write."""
+    if not (isinstance(e, RuntimeError) and "created in no_grad mode and is being modified inplace" in str(e)):
+        return None
+    return UnsupportedMutationError(
+        "aotgrad: the program writes in place, with grad mode on, into a view it took under no_grad of a "
+        "tensor that requires grad. Eager forbids this, unless that tensor is a view of one that does not "
+        "require grad (eager's autograd then does not see the write); aotgrad cannot trace either. Take the "
+        "view outside the no_grad block, or make the write under no_grad too."
     )
