@@ -38,12 +38,7 @@ from .signature.subclass_layout import NeedsSubclassBoundary
 from .subclass import wrap as subclass_wrap
 from .trace.capture import capture
 from .trace.interpreter_stack import on_roomy_stack
-from .trace.refusal_source import (
-    no_grad_view_write_error,
-    numpy_error,
-    unallocated_data_error,
-    with_user_line,
-)
+from .trace.refusal_source import translated_torch_error, with_user_line
 from .trace.state import NeedsSyntheticBase, NeedsTraining
 
 log = logging.getLogger("aotgrad.api")
@@ -261,7 +256,7 @@ class CompiledFunction:
                 with_user_line(e)
                 raise
             except RuntimeError as e:
-                refusal = numpy_error(e) or unallocated_data_error(e) or no_grad_view_write_error(e)
+                refusal = translated_torch_error(e)
                 if refusal is None:
                     raise
                 raise with_user_line(refusal, e) from e

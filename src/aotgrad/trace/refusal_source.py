@@ -16,7 +16,7 @@ import types
 from ..errors import AotgradError, DataDependentError, UnsupportedMutationError
 from ..node_meta import _is_user_file
 
-__all__ = ["no_grad_view_write_error", "numpy_error", "unallocated_data_error", "user_line", "with_user_line"]
+__all__ = ["translated_torch_error", "user_line", "with_user_line"]
 
 _AOTGRAD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _MARK = "\n  at "
@@ -53,43 +53,38 @@ def with_user_line(err: AotgradError, cause: BaseException | None = None) -> Aot
     return err
 
 
-def numpy_error(e: BaseException) -> DataDependentError | None:
-    """aotgrad's error for torch's '.numpy() is not supported for tensor subclasses' (the trace's
-    tensors are functional wrappers, a subclass the user never made), else None."""
+# torch's RuntimeError raised while the program is traced -> (what its message contains, aotgrad's
+# error class, aotgrad's message). Each is a case the trace's placeholder tensors cannot run as
+# eager does; torch's own text would point the user at torch internals.
+_TRANSLATED: tuple[tuple[tuple[str, ...], type[AotgradError], str], ...] = (
+    # the trace's tensors are functional wrappers, a subclass the user never made
+    ((".numpy()", "tensor subclasses"), DataDependentError,
+     "aotgrad: the program calls .numpy() (or another conversion to a NumPy array) on a tensor; aot_function "
+     "traces the program with placeholder tensors that hold no values. Use torch operations instead, or "
+     "move the conversion out of the compiled function (torch.compile(fn, backend=\"aotgrad\") runs it "
+     "eagerly between graphs)."),
+    # a kernel reading a tensor argument's values directly (OpInfo `tensor_split`, indices as a tensor)
+    (("its data is not allocated yet",), DataDependentError,
+     "aotgrad: the program calls an op whose kernel reads the values of a tensor argument (e.g. "
+     "tensor_split's indices given as a tensor); aot_function traces the program with placeholder tensors "
+     "that hold no values. Pass those values as Python ints or lists, or use torch.compile(fn, "
+     "backend=\"aotgrad\"), which runs such ops eagerly between graphs."),
+    # fuzz seed 24 program 7703. Eager raises it too, except where the viewed tensor is itself a view
+    # of one that requires no grad: the new view belongs to that base, eager's autograd never sees it.
+    (("created in no_grad mode and is being modified inplace",), UnsupportedMutationError,
+     "aotgrad: the program writes in place, with grad mode on, into a view it took under no_grad of a "
+     "tensor that requires grad. Eager forbids this, unless that tensor is a view of one that does not "
+     "require grad (eager's autograd then does not see the write); aotgrad cannot trace either. Take the "
+     "view outside the no_grad block, or make the write under no_grad too."),
+)
+
+
+def translated_torch_error(e: BaseException) -> AotgradError | None:
+    """aotgrad's named error for a torch RuntimeError the trace raised (`_TRANSLATED`), else None."""
+    if not isinstance(e, RuntimeError):
+        return None
     text = str(e)
-    if not (isinstance(e, RuntimeError) and ".numpy()" in text and "tensor subclasses" in text):
-        return None
-    return DataDependentError(
-        "aotgrad: the program calls .numpy() (or another conversion to a NumPy array) on a tensor; aot_function "
-        "traces the program with placeholder tensors that hold no values. Use torch operations instead, or "
-        "move the conversion out of the compiled function (torch.compile(fn, backend=\"aotgrad\") runs it "
-        "eagerly between graphs)."
-    )
-
-
-def unallocated_data_error(e: BaseException) -> DataDependentError | None:
-    """aotgrad's error for an op whose kernel reads a tensor argument's values directly (torch's
-    "data is not allocated yet": `tensor_split` with its indices as a tensor), else None."""
-    if not (isinstance(e, RuntimeError) and "its data is not allocated yet" in str(e)):
-        return None
-    return DataDependentError(
-        "aotgrad: the program calls an op whose kernel reads the values of a tensor argument (e.g. "
-        "tensor_split's indices given as a tensor); aot_function traces the program with placeholder tensors "
-        "that hold no values. Pass those values as Python ints or lists, or use torch.compile(fn, "
-        "backend=\"aotgrad\"), which runs such ops eagerly between graphs."
-    )
-
-
-def no_grad_view_write_error(e: BaseException) -> UnsupportedMutationError | None:
-    """aotgrad's error for torch's "A view was created in no_grad mode and is being modified inplace
-    with grad mode enabled", raised by the trace (fuzz seed 24 program 7703), else None. Eager raises
-    it too, except where the viewed tensor is itself a view of one that requires no grad: the new view
-    then belongs to that base, and eager's autograd never sees the write."""
-    if not (isinstance(e, RuntimeError) and "created in no_grad mode and is being modified inplace" in str(e)):
-        return None
-    return UnsupportedMutationError(
-        "aotgrad: the program writes in place, with grad mode on, into a view it took under no_grad of a "
-        "tensor that requires grad. Eager forbids this, unless that tensor is a view of one that does not "
-        "require grad (eager's autograd then does not see the write); aotgrad cannot trace either. Take the "
-        "view outside the no_grad block, or make the write under no_grad too."
-    )
+    for marks, cls, message in _TRANSLATED:
+        if all(m in text for m in marks):
+            return cls(message)
+    return None
