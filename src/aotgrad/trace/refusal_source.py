@@ -5,6 +5,8 @@ mutation...) says what aotgrad cannot do; with a model of many layers the user a
 `with_user_line` finds the innermost frame of the user's own code in the traceback of the error (or
 of the torch error it replaces: files under torch/ other than torch.nn's modules, aotgrad's own
 files and generated code are skipped, as for the graphs' `stack_trace`) and appends it.
+`translated_torch_error` turns the torch errors a trace raises where eager would not (or with
+torch-internal wording) into aotgrad's named ones, from one table.
 """
 
 from __future__ import annotations
