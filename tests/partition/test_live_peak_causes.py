@@ -13,7 +13,10 @@
   (cnn_bn+inductor, 32 KiB above eager and upstream at budget 1);
 - with Inductor's decompositions, the min-cut saved a LayerNorm's normalised value (as large as its
   input) where the graph input, alive anyway, and the two statistics serve: held through the whole
-  backward (transformer+inductor, 7.6 KiB above upstream at budget 1).
+  backward (transformer+inductor, 7.6 KiB above upstream at budget 1);
+- Inductor's decomposition of attention's `qkv[0], qkv[1], qkv[2]` backward scatters into a zero
+  buffer that common-subexpression elimination shares between every layer: one `full` held from
+  the last layer's backward to the first's (transformer+inductor, 24 KiB at the peak).
 """
 
 from __future__ import annotations
@@ -220,4 +223,40 @@ def test_graph_input_saved_instead_of_normalised_value():
     # The input and the LayerNorm output (the first Linear's weight gradient reads it), no normalised x.
     assert shapes.count((2, 16, 64)) == 2 and shapes.count((2, 16, 1)) >= 1, shapes
     assert _live_peak(mod, compiled, (x,)) <= eager
+
+
+def test_shared_zero_buffer_not_held_across_layers():
+    """Each stretch of reads of a shared zero buffer gets its own, made just before it."""
+    from models import Attention
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(Attention(64, 4), Attention(64, 4))
+    x = torch.randn(2, 16, 64)
+    eager = _live_peak(mod, mod, (x,))
+    ref = copy.deepcopy(mod)
+    graphs = []
+    compiled = _decomposed(mod, graphs)
+    _check_grads(mod, ref, compiled, x)
+    (bw,) = graphs
+    nodes = list(bw.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    tangents = [n for n in nodes if n.name.startswith("tangents")]
+    dependent = set(tangents)
+    for n in nodes:
+        if any(a in dependent for a in n.all_input_nodes):
+            dependent.add(n)
+    fulls = [n for n in nodes if n.target is aten.full.default]
+    assert len(fulls) >= 2, bw.code
+    for f in fulls:  # no backward work between the first and the last read of one buffer
+        reads, todo = [], [f]
+        while todo:
+            for u in todo.pop().users:
+                (todo if u.target is aten.alias.default else reads).append(u)
+        first, last = min(pos[u] for u in reads), max(pos[u] for u in reads)
+        work = [n for n in nodes[first + 1:last] if n in dependent and n.target is not aten.select_scatter.default]
+        assert not work, (f.name, [n.name for n in work])
+    # Eager's select_backward fills its zeros in place; the decomposition reads a zero buffer as
+    # one more input: at most that one buffer (24 KiB) above eager, where a shared one was held too.
+    buffer = 3 * x.numel() * x.element_size()
+    assert _live_peak(mod, compiled, (x,)) < eager + buffer
 

@@ -12,7 +12,8 @@ link and late by its own derivative) is made again just before that late read, w
 alive there anyway, instead of being held in between (`_remake_for_late_users`); where its inputs
 are not, a short chain of pointwise ops and views back to values that are is remade with it, kept
 only where that lowers the backward's simulated live peak (`_remake_chains_for_late_users`; each
-forward value remade by one chain at most).
+forward value remade by one chain at most). A factory (a zero buffer) read by several stretches of
+the backward gets a copy per stretch (`_remake_factories_for_late_users`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for n in order[1:]:
             cursor.append(n)
             cursor = n
-    remade = _remake_for_late_users(graph, dependent)
+    remade = _remake_factories_for_late_users(graph, dependent)
+    remade |= _remake_for_late_users(graph, dependent)
     remade |= _remake_chains_for_late_users(graph, dependent)
     if remade or moved:
         graph.lint()
@@ -141,6 +143,56 @@ def _remake_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
             copies.add(copy)
             changed = True
     return changed
+
+
+def _remake_factories_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """Give each late reader of a factory (`full`, `zeros`: no tensor input) its own copy, with the
+    views between, made just before it. Common-subexpression elimination merges the zero buffers of
+    every layer's gradient scatter (a decomposed `stack` / `select` backward) into one node, which
+    the backward would then hold from the last layer's backward to the first's; a fill is cheaper
+    than the bytes held throughout. Only where backward work runs between two reads."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    work_before = [0]
+    for n in nodes:
+        work_before.append(work_before[-1] + (n in dependent))
+    changed = False
+    for n in nodes:
+        if (n.op != "call_function" or n.all_input_nodes or n in dependent or _anchored(n, dependent)
+                or op_class(n) != "free" or not isinstance(n.meta.get("val"), torch.Tensor)):
+            continue
+        reads: list[tuple[Node, list[Node]]] = []  # (reader, the views from `n` to what it reads)
+        stack: list[tuple[Node, list[Node]]] = [(n, [])]
+        while stack:
+            v, path = stack.pop()
+            for u in v.users:
+                if u.op == "call_function" and op_class(u) == "view" and u.args and u.args[0] is v:
+                    stack.append((u, [*path, u]))
+                else:
+                    reads.append((u, path))
+        reads.sort(key=lambda r: pos[r[0]])
+        copies: dict[Node, Node] = {}  # the copy the current group of reads shares
+        for (prev, _), (u, path) in zip(reads, reads[1:]):
+            if work_before[pos[u]] - work_before[pos[prev] + 1] > 0:
+                copies = {}
+                _copy_before(graph, u, [n], copies)
+                changed = True
+            elif not copies:
+                continue  # still the first group: it reads the original
+            _copy_before(graph, u, path, copies)  # the views this group's copy lacks
+            read = path[-1] if path else n
+            u.replace_input_with(read, copies[read])
+    return changed
+
+
+def _copy_before(graph: torch.fx.Graph, at: Node, nodes: list[Node], copies: dict[Node, Node]) -> None:
+    """Copy each of `nodes` not in `copies` just before `at`, reading the copies made so far."""
+    with graph.inserting_before(at):
+        for m in nodes:
+            if m not in copies:
+                c = graph.node_copy(m, lambda a: copies.get(a, a))
+                c.meta = {**m.meta, REMADE_FROM: m.meta.get(REMADE_FROM, m.name)}
+                copies[m] = c
 
 
 _CHAIN_LIMIT = 16  # ops remade for one late read at most
