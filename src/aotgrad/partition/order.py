@@ -13,7 +13,9 @@ alive there anyway, instead of being held in between (`_remake_for_late_users`);
 are not, a short chain of pointwise ops and views back to values that are is remade with it, kept
 only where that lowers the backward's simulated live peak (`_remake_chains_for_late_users`; each
 forward value remade by one chain at most). A factory (a zero buffer) read by several stretches of
-the backward gets a copy per stretch (`_remake_factories_for_late_users`).
+the backward gets a copy per stretch (`_remake_factories_for_late_users`). Last, recomputation that
+runs just before its user among the backward's own values moves above a few backward ops where
+that lowers the simulated peak (`_recompute_before_backward_allocations`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     remade = _remake_factories_for_late_users(graph, dependent)
     remade |= _remake_for_late_users(graph, dependent)
     remade |= _remake_chains_for_late_users(graph, dependent)
+    if _recompute_before_backward_allocations(graph, dependent):
+        # The peak moved: a chain not worth remaking at the old peak may lower the new one.
+        remade = True
+        if _remake_chains_for_late_users(graph, dependent):
+            _recompute_before_backward_allocations(graph, dependent)
     if remade or moved:
         graph.lint()
         gm.recompile()
@@ -199,10 +206,9 @@ _CHAIN_LIMIT = 16  # ops remade for one late read at most
 _CHAIN_TRIES = 64  # candidate chains weighed per graph at most (each one simulation of the graph)
 
 
-def simulated_peak(graph: torch.fx.Graph) -> int:
-    """Live bytes at the highest point of running `graph` node by node, each value freed after its
-    last read (a view's reads count for its base's storage; inputs alive from the start)."""
-    nodes = list(graph.nodes)
+def _storages(nodes: list[Node]) -> tuple[dict[Node, Node], dict[Node, int]]:
+    """Each node's storage (a view's is its base's) and each storage's bytes; none for the forward's
+    graph inputs handed over (parameters, the batch: their caller holds them anyway)."""
     root: dict[Node, Node] = {}
     size: dict[Node, int] = {}
     for n in nodes:
@@ -211,23 +217,36 @@ def simulated_peak(graph: torch.fx.Graph) -> int:
             root[n] = root[base]
         else:
             root[n] = n
-            size[n] = tensor_nbytes(n.meta.get("val")) if n.op != "output" else 0
+            held = n.op == "output" or (n.op == "placeholder" and n.name.startswith("primals"))
+            size[n] = 0 if held else tensor_nbytes(n.meta.get("val"))
+    return root, size
+
+
+def _live_curve(order: list[Node], root: dict[Node, Node], size: dict[Node, int]) -> list[int]:
+    """Live bytes while each node of `order` runs (its output made, nothing after it freed yet)."""
     last: dict[Node, int] = {}
-    for i, n in enumerate(nodes):
+    for i, n in enumerate(order):
         last[root[n]] = max(last.get(root[n], i), i)
         for a in n.all_input_nodes:
             last[root[a]] = max(last.get(root[a], i), i)
     frees: dict[int, list[Node]] = {}
     for r, i in last.items():
         frees.setdefault(i, []).append(r)
-    live = peak = 0
-    for i, n in enumerate(nodes):
+    live, curve = 0, []
+    for i, n in enumerate(order):
         if root[n] is n:
             live += size[n]
-        peak = max(peak, live)
+        curve.append(live)
         for r in frees.get(i, ()):
             live -= size[r]
-    return peak
+    return curve
+
+
+def simulated_peak(graph: torch.fx.Graph) -> int:
+    """Live bytes at the highest point of running `graph` node by node, each value freed after its
+    last read (a view's reads count for its base's storage; inputs alive from the start)."""
+    nodes = list(graph.nodes)
+    return max(_live_curve(nodes, *_storages(nodes)), default=0)
 
 
 def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
@@ -294,4 +313,73 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
             w.replace_input_with(copies[n], n)
         for m in sorted(chain, key=pos.__getitem__, reverse=True):
             graph.erase_node(copies[m])
+    return changed
+
+
+_HOIST_TRIES = 48  # orders weighed per graph at most (each one simulation of the graph)
+_HOIST_USERS = 12  # backward ops after the peak whose recomputed inputs may move
+_HOIST_ABOVE = 4  # backward ops the recomputation may move above
+
+
+def _recompute_before_backward_allocations(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """Move the recomputation a backward op reads above the backward ops just before it, where that
+    lowers the graph's simulated peak. Placed just before its first user, a recomputation runs
+    among the backward's own values: a decomposed GELU derivative (three temporaries the size of
+    the hidden activation) runs after the gradient flowing into it and the layer's weight gradient
+    are made, all alive together; run before them, it holds only its own temporaries. The moved
+    nodes read no tangent (only saved values and each other), so any place after their own inputs
+    is legal. Tried at the simulated peak, a few backward ops at a time, kept only if the peak falls."""
+    order = list(graph.nodes)
+    root, size = _storages(order)
+    curve = _live_curve(order, root, size)
+    best = max(curve, default=0)
+    tries, changed = 0, False
+    movable = lambda m: (m.op == "call_function" and m not in dependent  # noqa: E731
+                         and not _anchored(m, dependent))
+    while tries < _HOIST_TRIES:
+        at = curve.index(best)
+        pos = {n: i for i, n in enumerate(order)}
+        users = [n for n in order[at:] if n in dependent and n.op == "call_function"][:_HOIST_USERS]
+        found = None
+        for u in users:
+            above = [d for d in order[:pos[u]] if d in dependent and d.op == "call_function"
+                     and op_class(d) not in ("view", "free")][-_HOIST_ABOVE:]
+            effects = [d for d in order[:pos[u]] if d.op == "call_function"
+                       and (d.meta.get(BACKWARD_MUTATION) or d.is_impure())]
+            if effects:  # never move a read above a mutation it might see
+                above = [d for d in above if pos[d] > pos[effects[-1]]]
+            for d in reversed(above):
+                moved, todo, ok = set(), [u], True
+                while todo and ok:
+                    for a in todo.pop().all_input_nodes:
+                        if a in moved or pos[a] < pos[d] or a in dependent or a.op != "call_function":
+                            continue
+                        if not movable(a):
+                            ok = False
+                            break
+                        moved.add(a)
+                        todo.append(a)
+                if not ok or not moved:
+                    continue
+                tries += 1
+                block = [m for m in order[pos[d]:pos[u]] if m in moved]
+                rest = [m for m in order[pos[d]:] if m not in moved]
+                candidate = order[:pos[d]] + block + rest
+                c = _live_curve(candidate, root, size)
+                if max(c) < best and (found is None or max(c) < max(found[1])):
+                    found = (candidate, c)
+                if tries >= _HOIST_TRIES:
+                    break
+            if tries >= _HOIST_TRIES:
+                break
+        if found is None:
+            break
+        order, curve = found
+        best = max(curve)
+        changed = True
+    if changed:
+        cursor = order[0]
+        for n in order[1:]:
+            cursor.append(n)
+            cursor = n
     return changed
