@@ -336,18 +336,22 @@ def _recompute_before_backward_allocations(graph: torch.fx.Graph, dependent: set
     tries, changed = 0, False
     movable = lambda m: (m.op == "call_function" and m not in dependent  # noqa: E731
                          and not _anchored(m, dependent))
+    # Backward ops a recomputation may move above, and side effects it may never move above.
+    work = {n for n in order if n in dependent and n.op == "call_function" and op_class(n) not in ("view", "free")}
+    effects = {n for n in order if n.op == "call_function" and (n.meta.get(BACKWARD_MUTATION) or n.is_impure())}
     while tries < _HOIST_TRIES:
         at = curve.index(best)
         pos = {n: i for i, n in enumerate(order)}
         users = [n for n in order[at:] if n in dependent and n.op == "call_function"][:_HOIST_USERS]
         found = None
         for u in users:
-            above = [d for d in order[:pos[u]] if d in dependent and d.op == "call_function"
-                     and op_class(d) not in ("view", "free")][-_HOIST_ABOVE:]
-            effects = [d for d in order[:pos[u]] if d.op == "call_function"
-                       and (d.meta.get(BACKWARD_MUTATION) or d.is_impure())]
-            if effects:  # never move a read above a mutation it might see
-                above = [d for d in above if pos[d] > pos[effects[-1]]]
+            above: list[Node] = []
+            for d in reversed(order[:pos[u]]):
+                if d in effects or len(above) == _HOIST_ABOVE:
+                    break
+                if d in work:
+                    above.append(d)
+            above.reverse()
             for d in reversed(above):
                 moved, todo, ok = set(), [u], True
                 while todo and ok:
