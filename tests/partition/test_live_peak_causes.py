@@ -10,7 +10,16 @@
 - with Inductor's decompositions, a recomputed BatchNorm's normalised output and the ReLU after it
   were made before the max-pool's backward (the pool is recomputed from them) and held through it,
   where remaking them from the saved BatchNorm input at the ReLU's backward holds nothing
-  (cnn_bn+inductor, 32 KiB above eager and upstream at budget 1).
+  (cnn_bn+inductor, 32 KiB above eager and upstream at budget 1);
+- with Inductor's decompositions, the min-cut saved a LayerNorm's normalised value (as large as its
+  input) where the graph input, alive anyway, and the two statistics serve: held through the whole
+  backward (transformer+inductor, 7.6 KiB above upstream at budget 1);
+- Inductor's decomposition of attention's `qkv[0], qkv[1], qkv[2]` backward scatters into a zero
+  buffer that common-subexpression elimination shares between every layer: one `full` held from
+  the last layer's backward to the first's (transformer+inductor, 24 KiB at the peak);
+- a decomposed GELU derivative (three temporaries the size of the hidden activation) was recomputed
+  just before its user, after the gradient flowing into it and the layer's weight gradient were
+  made: all alive together (transformer+inductor, 55 KiB above eager at budget 1).
 """
 
 from __future__ import annotations
@@ -172,3 +181,104 @@ def test_decomposed_batch_norm_chain_remade_for_its_late_read():
     relus = [n for n in bw.graph.nodes if n.target is aten.relu.default and REMADE_FROM in n.meta]
     assert relus, bw.code
     assert _live_peak(mod, compiled, inputs) <= eager
+
+
+def _inductor_decompositions() -> dict:
+    import torch._inductor.lowering  # noqa: F401  (some of Inductor's decompositions read it)
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+def _decomposed(mod, graphs, partition_fn=min_cut_rematerialization_partition):
+    def bw_compiler(gm, example):
+        graphs.append(gm)
+        return freeing_nop(gm, example)
+
+    return aotgrad.aot_module(mod, aotgrad.nop, bw_compiler, partition_fn=partition_fn,
+                              decompositions=_inductor_decompositions())
+
+
+def _check_grads(mod, ref, compiled, x):
+    mod.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    compiled(x).sum().backward()
+    ref(x).sum().backward()
+    for a, b in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_graph_input_saved_instead_of_normalised_value():
+    """A decomposed LayerNorm's backward reads (x - mean) * rstd. Saving that costs its bytes for
+    the whole backward; saving the graph input (the caller holds it anyway) and the two (rows, 1)
+    statistics costs nothing more, as eager's native_layer_norm saves them."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.Linear(256, 64))
+    x = torch.randn(2, 16, 64)
+    eager = _live_peak(mod, mod, (x,))
+    ref = copy.deepcopy(mod)
+    graphs = []
+    compiled = _decomposed(mod, graphs)
+    _check_grads(mod, ref, compiled, x)
+    (bw,) = graphs
+    saved = [n for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    shapes = [tuple(n.meta["val"].shape) for n in saved]
+    # The input and the LayerNorm output (the first Linear's weight gradient reads it), no normalised x.
+    assert shapes.count((2, 16, 64)) == 2 and shapes.count((2, 16, 1)) >= 1, shapes
+    assert _live_peak(mod, compiled, (x,)) <= eager
+
+
+def test_shared_zero_buffer_not_held_across_layers():
+    """Each stretch of reads of a shared zero buffer gets its own, made just before it."""
+    from models import Attention
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(Attention(64, 4), Attention(64, 4))
+    x = torch.randn(2, 16, 64)
+    eager = _live_peak(mod, mod, (x,))
+    ref = copy.deepcopy(mod)
+    graphs = []
+    compiled = _decomposed(mod, graphs)
+    _check_grads(mod, ref, compiled, x)
+    (bw,) = graphs
+    nodes = list(bw.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    tangents = [n for n in nodes if n.name.startswith("tangents")]
+    dependent = set(tangents)
+    for n in nodes:
+        if any(a in dependent for a in n.all_input_nodes):
+            dependent.add(n)
+    fulls = [n for n in nodes if n.target is aten.full.default]
+    assert len(fulls) >= 2, bw.code
+    for f in fulls:  # no backward work between the first and the last read of one buffer
+        reads, todo = [], [f]
+        while todo:
+            for u in todo.pop().users:
+                (todo if u.target is aten.alias.default else reads).append(u)
+        first, last = min(pos[u] for u in reads), max(pos[u] for u in reads)
+        work = [n for n in nodes[first + 1:last] if n in dependent and n.target is not aten.select_scatter.default]
+        assert not work, (f.name, [n.name for n in work])
+    # Eager's select_backward fills its zeros in place; the decomposition reads a zero buffer as
+    # one more input: at most that one buffer (24 KiB) above eager, where a shared one was held too.
+    buffer = 3 * x.numel() * x.element_size()
+    assert _live_peak(mod, compiled, (x,)) < eager + buffer
+
+
+def test_decomposed_gelu_derivative_recomputed_before_the_gradients():
+    """The GELU derivative reads only saved values, so it may run before the backward ops around
+    it; there it holds its temporaries without the gradients next to them, and the decomposed
+    backward peaks no higher than eager's fused gelu_backward."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(2, 16, 64)
+    eager = _live_peak(mod, mod, (x,))
+    ref = copy.deepcopy(mod)
+    graphs = []
+    compiled = _decomposed(mod, graphs)
+    _check_grads(mod, ref, compiled, x)
+    (bw,) = graphs
+    nodes = list(bw.graph.nodes)
+    (erf_derivative,) = [n for n in nodes if n.target is aten.exp.default]
+    weight_grads = [n for n in nodes if n.target is aten.mm.default and tuple(n.meta["val"].shape) == (64, 256)]
+    assert weight_grads and nodes.index(erf_derivative) < nodes.index(weight_grads[0]), bw.code
+    assert _live_peak(mod, compiled, (x,)) <= eager

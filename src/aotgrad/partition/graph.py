@@ -181,11 +181,22 @@ class _Joint:
             return True
         return any(u.op == "call_function" and op_class(u) in _EXPENSIVE for u in n.users)
 
+    def _held_inputs(self) -> set[Node]:
+        """Graph inputs that get no gradient (the batch, masks, buffers, frozen weights): data the
+        caller holds through the step anyway, so saving one adds no bytes, where saving a value
+        made from it (a LayerNorm's normalised input) adds its own. Inputs that get a gradient are
+        charged: the budget's byte scale counts what the forward hands over, and a weight handed
+        over only to recompute its matmul (budget 0) must not look free there."""
+        if len(self.primals) != len(self.bw_outs):
+            return set()
+        return {p for p, g in zip(self.primals, self.bw_outs) if g is None}
+
     def _costs(self) -> None:
         self.fw_out_set = {o for o in self.fw_outs if isinstance(o, Node)}
         total = sum(self.bytes.values()) + 1
         big = (total + 1) * _SCALE * 4  # a MUST_RECOMPUTE value is saved only if nothing else works
         cost: dict[Node, int | None] = {}
+        held = self._held_inputs()
         for n in self.region:
             val = _val(n)
             saveable = (
@@ -197,7 +208,7 @@ class _Joint:
                 cost[n] = None
                 continue
             tie = 1 + (0 if self._materialized(n) else 2)
-            c = self.bytes[n] * _SCALE + tie
+            c = (0 if n in held else self.bytes[n] * _SCALE) + tie
             cost[n] = big + c if n in self.soft_unsaveable else c
         self.cost = cost
         import networkx as nx  # here: a warm start (cache hit) never partitions, so never pays its import

@@ -22,7 +22,8 @@ saving `v`; data edges `u_out -> v_in` and the edges `v_out -> sink` (required n
 saved value; a node whose `v_in` lies on the sink side is recomputed in the backward.
 
 Costs are lexicographic: real bytes first (shape x dtype itemsize, symbolic sizes through their
-hints), then a small tie-break. Among cuts of equal bytes we prefer (1) saving values a fusing
+hints; none for a graph input that gets no gradient - the batch, a mask, a buffer: its caller holds
+it anyway), then a small tie-break. Among cuts of equal bytes we prefer (1) saving values a fusing
 compiler materialises anyway (graph inputs, forward outputs, outputs of matmuls, convolutions,
 reductions, random ops, values feeding a matmul) over intermediates of a pointwise chain, (2) fewer
 tensors, and (3) the cut closest to the backward: the least recomputation. Views, `detach` and

@@ -12,7 +12,10 @@ link and late by its own derivative) is made again just before that late read, w
 alive there anyway, instead of being held in between (`_remake_for_late_users`); where its inputs
 are not, a short chain of pointwise ops and views back to values that are is remade with it, kept
 only where that lowers the backward's simulated live peak (`_remake_chains_for_late_users`; each
-forward value remade by one chain at most).
+forward value remade by one chain at most). A factory (a zero buffer) read by several stretches of
+the backward gets a copy per stretch (`_remake_factories_for_late_users`). Last, recomputation that
+runs just before its user among the backward's own values moves above a few backward ops where
+that lowers the simulated peak (`_recompute_before_backward_allocations`).
 """
 
 from __future__ import annotations
@@ -81,8 +84,14 @@ def sink_recomputation(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for n in order[1:]:
             cursor.append(n)
             cursor = n
-    remade = _remake_for_late_users(graph, dependent)
+    remade = _remake_factories_for_late_users(graph, dependent)
+    remade |= _remake_for_late_users(graph, dependent)
     remade |= _remake_chains_for_late_users(graph, dependent)
+    if _recompute_before_backward_allocations(graph, dependent):
+        # The peak moved: a chain not worth remaking at the old peak may lower the new one.
+        remade = True
+        if _remake_chains_for_late_users(graph, dependent):
+            _recompute_before_backward_allocations(graph, dependent)
     if remade or moved:
         graph.lint()
         gm.recompile()
@@ -143,14 +152,63 @@ def _remake_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
     return changed
 
 
+def _remake_factories_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """Give each late reader of a factory (`full`, `zeros`: no tensor input) its own copy, with the
+    views between, made just before it. Common-subexpression elimination merges the zero buffers of
+    every layer's gradient scatter (a decomposed `stack` / `select` backward) into one node, which
+    the backward would then hold from the last layer's backward to the first's; a fill is cheaper
+    than the bytes held throughout. Only where backward work runs between two reads."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    work_before = [0]
+    for n in nodes:
+        work_before.append(work_before[-1] + (n in dependent))
+    changed = False
+    for n in nodes:
+        if (n.op != "call_function" or n.all_input_nodes or n in dependent or _anchored(n, dependent)
+                or op_class(n) != "free" or not isinstance(n.meta.get("val"), torch.Tensor)):
+            continue
+        reads: list[tuple[Node, list[Node]]] = []  # (reader, the views from `n` to what it reads)
+        stack: list[tuple[Node, list[Node]]] = [(n, [])]
+        while stack:
+            v, path = stack.pop()
+            for u in v.users:
+                if u.op == "call_function" and op_class(u) == "view" and u.args and u.args[0] is v:
+                    stack.append((u, [*path, u]))
+                else:
+                    reads.append((u, path))
+        reads.sort(key=lambda r: pos[r[0]])
+        copies: dict[Node, Node] = {}  # the copy the current group of reads shares
+        for (prev, _), (u, path) in zip(reads, reads[1:]):
+            if work_before[pos[u]] - work_before[pos[prev] + 1] > 0:
+                copies = {}
+                _copy_before(graph, u, [n], copies)
+                changed = True
+            elif not copies:
+                continue  # still the first group: it reads the original
+            _copy_before(graph, u, path, copies)  # the views this group's copy lacks
+            read = path[-1] if path else n
+            u.replace_input_with(read, copies[read])
+    return changed
+
+
+def _copy_before(graph: torch.fx.Graph, at: Node, nodes: list[Node], copies: dict[Node, Node]) -> None:
+    """Copy each of `nodes` not in `copies` just before `at`, reading the copies made so far."""
+    with graph.inserting_before(at):
+        for m in nodes:
+            if m not in copies:
+                c = graph.node_copy(m, lambda a: copies.get(a, a))
+                c.meta = {**m.meta, REMADE_FROM: m.meta.get(REMADE_FROM, m.name)}
+                copies[m] = c
+
+
 _CHAIN_LIMIT = 16  # ops remade for one late read at most
 _CHAIN_TRIES = 64  # candidate chains weighed per graph at most (each one simulation of the graph)
 
 
-def simulated_peak(graph: torch.fx.Graph) -> int:
-    """Live bytes at the highest point of running `graph` node by node, each value freed after its
-    last read (a view's reads count for its base's storage; inputs alive from the start)."""
-    nodes = list(graph.nodes)
+def _storages(nodes: list[Node]) -> tuple[dict[Node, Node], dict[Node, int]]:
+    """Each node's storage (a view's is its base's) and each storage's bytes; none for the forward's
+    graph inputs handed over (parameters, the batch: their caller holds them anyway)."""
     root: dict[Node, Node] = {}
     size: dict[Node, int] = {}
     for n in nodes:
@@ -159,23 +217,36 @@ def simulated_peak(graph: torch.fx.Graph) -> int:
             root[n] = root[base]
         else:
             root[n] = n
-            size[n] = tensor_nbytes(n.meta.get("val")) if n.op != "output" else 0
+            held = n.op == "output" or (n.op == "placeholder" and n.name.startswith("primals"))
+            size[n] = 0 if held else tensor_nbytes(n.meta.get("val"))
+    return root, size
+
+
+def _live_curve(order: list[Node], root: dict[Node, Node], size: dict[Node, int]) -> list[int]:
+    """Live bytes while each node of `order` runs (its output made, nothing after it freed yet)."""
     last: dict[Node, int] = {}
-    for i, n in enumerate(nodes):
+    for i, n in enumerate(order):
         last[root[n]] = max(last.get(root[n], i), i)
         for a in n.all_input_nodes:
             last[root[a]] = max(last.get(root[a], i), i)
     frees: dict[int, list[Node]] = {}
     for r, i in last.items():
         frees.setdefault(i, []).append(r)
-    live = peak = 0
-    for i, n in enumerate(nodes):
+    live, curve = 0, []
+    for i, n in enumerate(order):
         if root[n] is n:
             live += size[n]
-        peak = max(peak, live)
+        curve.append(live)
         for r in frees.get(i, ()):
             live -= size[r]
-    return peak
+    return curve
+
+
+def simulated_peak(graph: torch.fx.Graph) -> int:
+    """Live bytes at the highest point of running `graph` node by node, each value freed after its
+    last read (a view's reads count for its base's storage; inputs alive from the start)."""
+    nodes = list(graph.nodes)
+    return max(_live_curve(nodes, *_storages(nodes)), default=0)
 
 
 def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
@@ -242,4 +313,77 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
             w.replace_input_with(copies[n], n)
         for m in sorted(chain, key=pos.__getitem__, reverse=True):
             graph.erase_node(copies[m])
+    return changed
+
+
+_HOIST_TRIES = 48  # orders weighed per graph at most (each one simulation of the graph)
+_HOIST_USERS = 12  # backward ops after the peak whose recomputed inputs may move
+_HOIST_ABOVE = 4  # backward ops the recomputation may move above
+
+
+def _recompute_before_backward_allocations(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
+    """Move the recomputation a backward op reads above the backward ops just before it, where that
+    lowers the graph's simulated peak. Placed just before its first user, a recomputation runs
+    among the backward's own values: a decomposed GELU derivative (three temporaries the size of
+    the hidden activation) runs after the gradient flowing into it and the layer's weight gradient
+    are made, all alive together; run before them, it holds only its own temporaries. The moved
+    nodes read no tangent (only saved values and each other), so any place after their own inputs
+    is legal. Tried at the simulated peak, a few backward ops at a time, kept only if the peak falls."""
+    order = list(graph.nodes)
+    root, size = _storages(order)
+    curve = _live_curve(order, root, size)
+    best = max(curve, default=0)
+    tries, changed = 0, False
+    movable = lambda m: (m.op == "call_function" and m not in dependent  # noqa: E731
+                         and not _anchored(m, dependent))
+    # Backward ops a recomputation may move above, and side effects it may never move above.
+    work = {n for n in order if n in dependent and n.op == "call_function" and op_class(n) not in ("view", "free")}
+    effects = {n for n in order if n.op == "call_function" and (n.meta.get(BACKWARD_MUTATION) or n.is_impure())}
+    while tries < _HOIST_TRIES:
+        at = curve.index(best)
+        pos = {n: i for i, n in enumerate(order)}
+        users = [n for n in order[at:] if n in dependent and n.op == "call_function"][:_HOIST_USERS]
+        found = None
+        for u in users:
+            above: list[Node] = []
+            for d in reversed(order[:pos[u]]):
+                if d in effects or len(above) == _HOIST_ABOVE:
+                    break
+                if d in work:
+                    above.append(d)
+            above.reverse()
+            for d in reversed(above):
+                moved, todo, ok = set(), [u], True
+                while todo and ok:
+                    for a in todo.pop().all_input_nodes:
+                        if a in moved or pos[a] < pos[d] or a in dependent or a.op != "call_function":
+                            continue
+                        if not movable(a):
+                            ok = False
+                            break
+                        moved.add(a)
+                        todo.append(a)
+                if not ok or not moved:
+                    continue
+                tries += 1
+                block = [m for m in order[pos[d]:pos[u]] if m in moved]
+                rest = [m for m in order[pos[d]:] if m not in moved]
+                candidate = order[:pos[d]] + block + rest
+                c = _live_curve(candidate, root, size)
+                if max(c) < best and (found is None or max(c) < max(found[1])):
+                    found = (candidate, c)
+                if tries >= _HOIST_TRIES:
+                    break
+            if tries >= _HOIST_TRIES:
+                break
+        if found is None:
+            break
+        order, curve = found
+        best = max(curve)
+        changed = True
+    if changed:
+        cursor = order[0]
+        for n in order[1:]:
+            cursor.append(n)
+            cursor = n
     return changed
