@@ -208,6 +208,18 @@ def _check_grads(mod, ref, compiled, x):
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def _decomposed_backward(mod, x):
+    """(eager's live peak, the compiled module, its backward graph): `mod` traced with Inductor's
+    decompositions and aotgrad's min-cut, its gradients checked against eager's first."""
+    eager = _live_peak(mod, mod, (x,))
+    ref = copy.deepcopy(mod)
+    graphs = []
+    compiled = _decomposed(mod, graphs)
+    _check_grads(mod, ref, compiled, x)
+    (bw,) = graphs
+    return eager, compiled, bw
+
+
 def test_graph_input_saved_instead_of_normalised_value():
     """A decomposed LayerNorm's backward reads (x - mean) * rstd. Saving that costs its bytes for
     the whole backward; saving the graph input (the caller holds it anyway) and the two (rows, 1)
@@ -215,12 +227,7 @@ def test_graph_input_saved_instead_of_normalised_value():
     torch.manual_seed(0)
     mod = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.Linear(256, 64))
     x = torch.randn(2, 16, 64)
-    eager = _live_peak(mod, mod, (x,))
-    ref = copy.deepcopy(mod)
-    graphs = []
-    compiled = _decomposed(mod, graphs)
-    _check_grads(mod, ref, compiled, x)
-    (bw,) = graphs
+    eager, compiled, bw = _decomposed_backward(mod, x)
     saved = [n for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     shapes = [tuple(n.meta["val"].shape) for n in saved]
     # The input and the LayerNorm output (the first Linear's weight gradient reads it), no normalised x.
@@ -235,12 +242,7 @@ def test_shared_zero_buffer_not_held_across_layers():
     torch.manual_seed(0)
     mod = nn.Sequential(Attention(64, 4), Attention(64, 4))
     x = torch.randn(2, 16, 64)
-    eager = _live_peak(mod, mod, (x,))
-    ref = copy.deepcopy(mod)
-    graphs = []
-    compiled = _decomposed(mod, graphs)
-    _check_grads(mod, ref, compiled, x)
-    (bw,) = graphs
+    eager, compiled, bw = _decomposed_backward(mod, x)
     nodes = list(bw.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     tangents = [n for n in nodes if n.name.startswith("tangents")]
@@ -271,12 +273,7 @@ def test_decomposed_gelu_derivative_recomputed_before_the_gradients():
     torch.manual_seed(0)
     mod = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     x = torch.randn(2, 16, 64)
-    eager = _live_peak(mod, mod, (x,))
-    ref = copy.deepcopy(mod)
-    graphs = []
-    compiled = _decomposed(mod, graphs)
-    _check_grads(mod, ref, compiled, x)
-    (bw,) = graphs
+    eager, compiled, bw = _decomposed_backward(mod, x)
     nodes = list(bw.graph.nodes)
     (erf_derivative,) = [n for n in nodes if n.target is aten.exp.default]
     weight_grads = [n for n in nodes if n.target is aten.mm.default and tuple(n.meta["val"].shape) == (64, 256)]
