@@ -244,7 +244,8 @@ def _live_curve(order: list[Node], root: dict[Node, Node], size: dict[Node, int]
 
 def simulated_peak(graph: torch.fx.Graph) -> int:
     """Live bytes at the highest point of running `graph` node by node, each value freed after its
-    last read (a view's reads count for its base's storage; inputs alive from the start)."""
+    last read (a view's reads count for its base's storage; inputs alive from the start, the
+    forward's own graph inputs counting nothing: their caller holds them)."""
     nodes = list(graph.nodes)
     return max(_live_curve(nodes, *_storages(nodes)), default=0)
 
