@@ -145,6 +145,7 @@ from .policies import (
     save_nothing,
     save_only_these_names,
 )
+from .scatters import nest_zero_scatters
 
 __all__ = [
     "POLICIES",
@@ -239,7 +240,8 @@ def min_cut_rematerialization_partition(
     j, saved, extra = _choose(j, None if memory_budget is None else float(memory_budget))
     saved = _order_saved(j.graph, list(saved) + symbol_bindings(j.graph, saved, j.tangents))
     fw_module = extract_graph(j.graph, j.primals, list(j.fw_outs) + saved, j.fw_effects)
-    bw_module = sink_recomputation(extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects))
+    bw_module = extract_graph(j.graph, saved + j.tangents, list(j.bw_outs), j.bw_effects)
+    bw_module = sink_recomputation(nest_zero_scatters(bw_module))
     info = PartitionInfo(
         saved=[n.name for n in saved],
         saved_bytes=j.saved_bytes(saved),
