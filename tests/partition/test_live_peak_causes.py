@@ -23,7 +23,11 @@
 - Inductor's decomposition of `select_backward` scatters each of `qkv[0], qkv[1], qkv[2]`'s
   gradients into its own zero buffer and sums the three: two or three buffers of the whole `qkv`
   alive at once where eager's kernel accumulates into one (transformer+inductor, 0.5 KiB above
-  eager at budget 1).
+  eager at budget 1);
+- at budget 0 the first LayerNorm's normalised value, recomputed at the backward's start to feed
+  the later layers' recomputation, was held to its own derivative at the backward's end: the chain
+  that would remake it there stopped at the statistics, a reduction's outputs it cannot remake but
+  may hold (transformer+inductor, 8.2 KiB above eager at budget 0).
 """
 
 from __future__ import annotations
@@ -295,4 +299,21 @@ def test_attention_gradient_slices_accumulate_into_one_buffer():
     eager, compiled, bw = _decomposed_backward(mod, x)
     scatters = [n for n in bw.graph.nodes if n.target is aten.select_scatter.default]
     assert len(scatters) == 3 and sum(n.target is aten.full.default for n in bw.graph.nodes) == 1, bw.code
+    assert _live_peak(mod, compiled, (x,)) <= eager
+
+
+def test_normalised_value_remade_from_held_statistics_at_budget_0():
+    """At budget 0 the backward recomputes the LayerNorm for the layers after it, then reads the
+    normalised value again at the LayerNorm's own derivative, last. Remade there from the graph
+    input and the held mean / rstd (one number per row), it is not alive through the backward."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    x = torch.randn(2, 16, 64)
+    eager = _live_peak(mod, mod, (x,))
+    ref, graphs = copy.deepcopy(mod), []
+    compiled = _decomposed(mod, graphs, functools.partial(min_cut_rematerialization_partition, memory_budget=0.0))
+    _check_grads(mod, ref, compiled, x)
+    (bw,) = graphs
+    remade = [n for n in bw.graph.nodes if n.meta.get(REMADE_FROM) and n.target is aten.rsqrt.default]
+    assert remade, bw.code
     assert _live_peak(mod, compiled, (x,)) <= eager

@@ -10,9 +10,9 @@ engine would run them (upstream calls the same idea `reordering_to_mimic_autogra
 Then a recomputed pointwise value read again late (a chain's link, read at once to make the next
 link and late by its own derivative) is made again just before that late read, where its inputs are
 alive there anyway, instead of being held in between (`_remake_for_late_users`); where its inputs
-are not, a short chain of pointwise ops and views back to values that are is remade with it, kept
-only where that lowers the backward's simulated live peak (`_remake_chains_for_late_users`; each
-forward value remade by one chain at most). A factory (a zero buffer) read by several stretches of
+are not, a short chain of pointwise ops and views back to values that are (or to small ones held
+for it: a normalisation's statistics) is remade with it, kept only where that lowers the backward's
+simulated live peak (`_remake_chains_for_late_users`; each forward value remade by one chain at most). A factory (a zero buffer) read by several stretches of
 the backward gets a copy per stretch (`_remake_factories_for_late_users`). Last, recomputation that
 runs just before its user among the backward's own values moves above a few backward ops where
 that lowers the simulated peak (`_recompute_before_backward_allocations`).
@@ -254,8 +254,9 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
     """As `_remake_for_late_users`, where the op's inputs are not alive at the late read but are made
     by a short chain of recomputed pointwise ops and views from values that are (a normalisation's
     affine output and the activation after it, remade from the saved normalisation input and its
-    statistics). The chain's values are alive together around the late read, so a copy is kept only
-    where it lowers the graph's `simulated_peak`."""
+    statistics). An input the chain cannot remake (a reduction's output) but much smaller than the
+    value is held to the late read instead (`_held_statistic`). The chain's values are alive together
+    around the late read, so a copy is kept only where it lowers the graph's `simulated_peak`."""
     changed, tries = False, 0
     peak = None
     origin = lambda m: m.meta.get(REMADE_FROM, m.name)  # noqa: E731
@@ -285,6 +286,8 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
                 cls = op_class(a) if a.op == "call_function" else "input"
                 if (cls not in ("pointwise", "view") or a in dependent or _anchored(a, dependent)
                         or not isinstance(a.meta.get("val"), torch.Tensor) or len(chain) >= _CHAIN_LIMIT):
+                    if _held_statistic(a, n):
+                        continue  # held to the late read, not remade: the simulation weighs it
                     ok = False
                     break
                 chain.add(a)
@@ -315,6 +318,19 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
         for m in sorted(chain, key=pos.__getitem__, reverse=True):
             graph.erase_node(copies[m])
     return changed
+
+
+_STATISTIC_RATIO = 16  # a chain's input this many times smaller than the remade value is held
+
+
+def _held_statistic(node: Node, value: Node) -> bool:
+    """A small tensor a remade chain may read where it was not made by the chain: a normalisation's
+    mean or rstd (one number per row, the output of a reduction the chain cannot remake), whose
+    bytes are a fraction of the value remade from it; holding it to the late read costs little."""
+    val, whole = node.meta.get("val"), value.meta.get("val")
+    if node.op != "call_function" or not isinstance(val, torch.Tensor) or op_class(node) == "view":
+        return False
+    return tensor_nbytes(val) * _STATISTIC_RATIO <= tensor_nbytes(whole)
 
 
 _HOIST_TRIES = 48  # orders weighed per graph at most (each one simulation of the graph)
