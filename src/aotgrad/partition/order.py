@@ -12,10 +12,11 @@ link and late by its own derivative) is made again just before that late read, w
 alive there anyway, instead of being held in between (`_remake_for_late_users`); where its inputs
 are not, a short chain of pointwise ops and views back to values that are (or to small ones held
 for it: a normalisation's statistics) is remade with it, kept only where that lowers the backward's
-simulated live peak (`_remake_chains_for_late_users`; each forward value remade by one chain at most). A factory (a zero buffer) read by several stretches of
-the backward gets a copy per stretch (`_remake_factories_for_late_users`). Last, recomputation that
-runs just before its user among the backward's own values moves above a few backward ops where
-that lowers the simulated peak (`_recompute_before_backward_allocations`).
+simulated live peak (`_remake_chains_for_late_users`; each forward value remade by one chain at
+most). A factory (a zero buffer) read by several stretches of the backward gets a copy per stretch
+(`_remake_factories_for_late_users`). Last, recomputation that runs just before its user among the
+backward's own values moves above a few backward ops where that lowers the simulated peak
+(`_recompute_before_backward_allocations`).
 """
 
 from __future__ import annotations
