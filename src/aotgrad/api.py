@@ -31,7 +31,7 @@ from .errors import AotgradError, DataDependentError
 from .partition.default import default_partition
 from .plan import symbols_in
 from .runtime.runner import build_runner
-from .signature import guards, lifting
+from .signature import ambient, guards, lifting
 from .signature import inputs as inputs_stage
 from .signature.module_state import ModuleState
 from .signature.subclass_layout import NeedsSubclassBoundary
@@ -78,16 +78,19 @@ def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, 
     if training:  # an inference graph is logged as it goes to its compiler
         observe.log_graph("joint", captured.graph)
     primals = inputs_stage.primal_values(layout, leaves)
-    if training:
-        compiled = compile_training(
-            captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals,
-            keep_input_mutations=config.keep_inference_input_mutations,
-            make_compiled=lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)),
-            keep_inplace=config.disable_functionalization,
-        )
-    else:
-        compiled = compile_inference(captured, config.inference_compiler, primals,
-                                     keep_inplace=config.disable_functionalization)
+    # The graphs hold the casts of the autocast state they were traced under: partitioning and
+    # compiling them under the caller's autocast would give ops they re-run other dtypes.
+    with ambient.no_autocast():
+        if training:
+            compiled = compile_training(
+                captured, config.partition_fn, config.fw_compiler, config.bw_compiler, primals,
+                keep_input_mutations=config.keep_inference_input_mutations,
+                make_compiled=lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)),
+                keep_inplace=config.disable_functionalization,
+            )
+        else:
+            compiled = compile_inference(captured, config.inference_compiler, primals,
+                                         keep_inplace=config.disable_functionalization)
     plan = captured.plan
     # The caller's non-tensor arguments were needed for the trace only; the signature holds what it
     # read off them (signature/guards.py), so the cache must not keep them alive.

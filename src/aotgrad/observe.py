@@ -87,11 +87,17 @@ def log_graph(kind: str, gm: torch.fx.GraphModule) -> None:
 def call_compiler(
     kind: str, compiler: Callable, gm: torch.fx.GraphModule, example_inputs: list, log: bool = True
 ) -> Callable:
-    """Hand `gm` to `compiler`, timed; a compiler that returns None is named in an AotgradError."""
+    """Hand `gm` to `compiler`, timed; a compiler that returns None is named in an AotgradError.
+
+    The compiler runs with autocast off, as the graph it gets will: the graph already holds the
+    casts of the autocast state it was traced under, and a compiler that runs or re-propagates its
+    ops under the caller's autocast would see other dtypes than the graph computes (Inductor 2.11's
+    post-grad passes then drop a cast they think is a no-op, and its code mixes float32 and bf16)."""
     node_meta.complete(gm)
     if log:
         log_graph(kind, gm)
-    with stage(f"compile_{kind}", getattr(compiler, "__name__", type(compiler).__name__)):
+    with stage(f"compile_{kind}", getattr(compiler, "__name__", type(compiler).__name__)), \
+            torch._C._DisableAutocast():
         compiled = compiler(gm, example_inputs)
     if compiled is None:
         name = getattr(compiler, "__qualname__", None) or getattr(compiler, "__name__", repr(compiler))

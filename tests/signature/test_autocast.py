@@ -212,3 +212,58 @@ def test_module_under_autocast_through_aot_module():
     assert compiled(x).dtype == model(x).dtype
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **TIGHT)
+
+
+def upcast_then_cast_back(a, b, c):
+    """A float32 matmul the program asks for (as attention decompositions upcast for accuracy), cast
+    back to bfloat16 and multiplied again: the cast is only a no-op for a graph run under autocast."""
+    with torch.autocast("cpu", enabled=False):
+        y = a.float() @ b.float()
+    return (y.to(torch.bfloat16) @ c,)
+
+
+def _repropagating_compiler(seen: list):
+    """A compiler that re-runs its graph's ops on fake inputs to refresh their metadata, then drops
+    the casts that metadata calls no-ops: what Inductor 2.11's post-grad passes do (its
+    `remove_noop_ops` after a fake re-propagation), which crashed GPT-size models in aotgrad's
+    graphs with "expected m1 and m2 to have the same dtype" where the compile ran under autocast."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def compiler(gm, example_inputs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        for n in list(gm.graph.nodes):
+            if n.target is torch.ops.prims.convert_element_type.default:
+                dtype = n.args[1]
+            elif n.target is torch.ops.aten._to_copy.default and set(n.kwargs) == {"dtype"}:
+                dtype = n.kwargs["dtype"]
+            else:
+                continue
+            if n.args[0].meta["val"].dtype == dtype:
+                n.replace_all_uses_with(n.args[0])
+                gm.graph.erase_node(n)
+        gm.recompile()
+        return gm.forward
+
+    return compiler
+
+
+@pytest.mark.parametrize("backward_under_autocast", [False, True], ids=["backward_outside", "backward_inside"])
+def test_compilers_run_with_autocast_off(backward_under_autocast):
+    """Every graph reaches its compiler with autocast off, as it runs: its casts are already in it.
+    The backward is compiled at the first backward call, here also one made under autocast."""
+    seen = []
+    compiler = _repropagating_compiler(seen)
+    xs = _inputs()
+    outs_e, grads_e = _run(upcast_then_cast_back, _clones(xs), torch.bfloat16, backward_under_autocast)
+    compiled = aot_function(upcast_then_cast_back, fw_compiler=compiler, bw_compiler=compiler)
+    outs_c, grads_c = _run(compiled, _clones(xs), torch.bfloat16, backward_under_autocast)
+    assert outs_c[0].dtype == outs_e[0].dtype == torch.bfloat16
+    torch.testing.assert_close(outs_c[0], outs_e[0], **TIGHT)
+    for e, c in zip(grads_e, grads_c):
+        assert c.dtype == e.dtype
+        torch.testing.assert_close(c, e, **TIGHT)
+    assert seen == [False, False]  # forward, then the backward (or its autocast re-trace)

@@ -70,6 +70,7 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
     from ..inductor import cudagraphs
     from ..inductor.compilers import inductor_compilers, link_backward
     from ..runtime.runner import build_runner
+    from ..signature.ambient import no_autocast
     from ..signature.inputs import primal_values
 
     plan = entry.plan
@@ -81,7 +82,7 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
     pair = cudagraphs.Pair()  # the forward's CUDA-graph box and device, shared with its backward
     aot_id = next(_aot_ids)
     kind = "forward" if entry.training else "inference"
-    with naming(kind, aot_id):
+    with naming(kind, aot_id), no_autocast():  # as a cold compile (observe.call_compiler)
         if entry.forward.inductor_key is not None and compilers is not None:
             forward = load_inductor(compilers, entry.forward, kind, primals, pair)
         else:
@@ -96,7 +97,7 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
     else:
         backward = None
         if entry.backward.inductor_key is not None and compilers is not None:
-            with naming("backward", aot_id):
+            with naming("backward", aot_id), no_autocast():
                 backward = boxed(load_inductor(compilers, entry.backward, "backward", primals, pair))
 
         def load_bw() -> torch.fx.GraphModule:
