@@ -150,6 +150,13 @@ class LeanTracer(TorchDispatchMode):
             # gets its own copy (make_fx's rule). A graph that returned the attribute itself would hand
             # the compiler a constant as an output, which Inductor cannot lower.
             func = torch.ops.aten.lift_fresh_copy.default
+        # A composite op reaches the trace when a decomposition calls one (`x.to(dtype)` in the
+        # batch-norm decompositions), as autograd's key, which would have split it, is behind us:
+        # split it here (make_fx's rule), or the compiler gets an op it can only call as a
+        # fallback kernel (Inductor: `aten.to.dtype`, unfused, in every batch norm under autocast).
+        out = self._decompose(func, func.decompose, args, kwargs)
+        if out is not NotImplemented:
+            return out
         out = func(*args, **kwargs)
         return self.record(func, args, kwargs, out)
 
