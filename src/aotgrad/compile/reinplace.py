@@ -33,6 +33,8 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch._prims_common import compute_required_storage_length, is_non_overlapping_and_dense_or_false
 from torch.fx import Graph, GraphModule, Node
 
+from ..torch_compat import is_out
+
 aten = torch.ops.aten
 
 
@@ -60,7 +62,7 @@ def _is_rewritable(node: Node) -> bool:
     if node.op != "call_function" or node.target is not auto_functionalized_v2:
         return False
     op = node.args[0]
-    return isinstance(op, torch._ops.OpOverload) and not torch._library.utils.is_out(op)
+    return isinstance(op, torch._ops.OpOverload) and not is_out(op)
 
 
 # -- when a base may be mutated in place --------------------------------------------------------------
