@@ -45,12 +45,13 @@ __all__ = ["boxed_codegen", "compiling_session", "is_out", "optimization_hint"]
 
 def is_out(op: torch._ops.OpOverload) -> bool:
     """An op with "out" semantics (its mutable arguments are written, never read). torch 2.13 tags
-    it `out` and asks `torch._library.utils.is_out`; torch 2.11 tags it `out_variant`."""
+    it `out` and asks `torch._library.utils.is_out`; torch 2.11 tags a custom one `out_variant` and
+    marks a native one's `out=` arguments in its schema."""
     asks = getattr(torch._library.utils, "is_out", None)
     if asks is not None:
         return asks(op)
     tag = getattr(torch.Tag, "out_variant", None)
-    return tag is not None and tag in op.tags
+    return (tag is not None and tag in op.tags) or any(getattr(a, "is_out", False) for a in op._schema.arguments)
 
 
 def boxed_codegen():
