@@ -16,7 +16,8 @@ pass/fail and aotgrad ÷ Inductor for
   * activation peak: `max_memory_allocated` during forward+backward above what was allocated before
     the step (CUDA only);
   * first step: compile + first step, fresh Inductor cache, Dynamo reset per model; which backend
-    goes first alternates from model to model;
+    goes first alternates from model to model, after an untimed small-model step of each (the
+    process's one-time imports and probes belong to no model);
   * loss: the largest |loss - eager's loss| over the first `--loss-steps` steps, for each.
 
 A row passes when both compiled variants train (no error, finite losses) and aotgrad's loss is as
@@ -232,6 +233,31 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:300]}"
 
 
+def warm_up_process(args, device: torch.device, dtype, log: Callable[[str], None]) -> None:
+    """One untimed training step of a small model per compiled variant, before any model: the
+    process's one-time costs (Inductor's and Triton's imports, the CPU's vector-ISA probe, aotgrad's
+    own imports) would otherwise land on whichever variant compiles the first model first."""
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    mod = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    sm = SuiteModel("warm-up", "stand-in", _SumLoss(mod), [(torch.randn(8, 32, device=device),)], "8×32")
+    for v in COMPILED:
+        torch._dynamo.reset()
+        with _fresh_inductor_cache():
+            Trainer(sm, sm.module.to(device), BACKENDS[args.compilers][v], device, dtype, None).step(sm.batches[0])
+    torch._dynamo.reset()
+    log(f"process warm-up (untimed): {time.perf_counter() - t0:.1f} s")
+
+
+class _SumLoss(torch.nn.Module):
+    def __init__(self, mod: torch.nn.Module):
+        super().__init__()
+        self.mod = mod
+
+    def forward(self, x):
+        return self.mod(x).float().sum()
+
+
 def run_model(name: str, index: int, args, device: torch.device, dtype, log: Callable[[str], None]) -> Row:
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -384,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compilers", default="inductor", choices=sorted(BACKENDS))
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-process-warmup", action="store_true",
+                   help="skip the untimed small-model step per variant before the first model")
     p.add_argument("--loss-steps", type=int, default=3, help="first steps whose losses are compared with eager's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=None, help="seconds: start no model after this")
@@ -402,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log(environment(device))
     start = time.perf_counter()
+    if not args.no_process_warmup:
+        warm_up_process(args, device, dtype, log)
     rows: list[Row] = []
     for i, name in enumerate(names):
         if args.deadline is not None and time.perf_counter() - start > args.deadline:

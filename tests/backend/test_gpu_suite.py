@@ -22,8 +22,10 @@ def test_dry_run_prints_the_table(capsys, tmp_path):
     out = tmp_path / "suite.json"
     rc = gpu_suite.main(["--tiny", "--device", "cpu", "--compilers", "eager", "--models", "gpt2,resnet50,vit",
                          "--steps", "1", "--warmup", "0", "--loss-steps", "2", "--json", str(out)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 0, text
+    assert "process warm-up (untimed)" in captured.err
     assert "| model" in text and "step ÷ ind" in text and "|Δloss| aot" in text
     for name in ("gpt2", "resnet50", "vit"):
         assert f"| {name} " in text
