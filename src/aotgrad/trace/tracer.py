@@ -18,6 +18,7 @@ It handles static shapes only. Symbolic shapes, and higher-order operators other
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -154,9 +155,10 @@ class LeanTracer(TorchDispatchMode):
         # batch-norm decompositions), as autograd's key, which would have split it, is behind us:
         # split it here (make_fx's rule), or the compiler gets an op it can only call as a
         # fallback kernel (Inductor: `aten.to.dtype`, unfused, in every batch norm under autocast).
-        out = self._decompose(func, func.decompose, args, kwargs)
-        if out is not NotImplemented:
-            return out
+        if _composite(func):
+            out = self._decompose(func, func.decompose, args, kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
         return self.record(func, args, kwargs, out)
 
@@ -178,6 +180,12 @@ class LeanTracer(TorchDispatchMode):
         gm = _LazyGraphModule(self.root, self.graph)
         gm.meta[GRAD_MODE_RECORDED] = True
         return gm
+
+
+@functools.cache
+def _composite(func: torch._ops.OpOverload) -> bool:
+    """Whether the op has a CompositeImplicitAutograd kernel (asked once per op, not per call)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 class _NodeLookup:
