@@ -78,8 +78,9 @@ def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, 
     if training:  # an inference graph is logged as it goes to its compiler
         observe.log_graph("joint", captured.graph)
     primals = inputs_stage.primal_values(layout, leaves)
-    # The graphs hold the casts of the autocast state they were traced under: partitioning and
-    # compiling them under the caller's autocast would give ops they re-run other dtypes.
+    # The graphs hold the casts of the autocast state they were traced under and run with autocast
+    # off: a partitioner or compiler that re-runs their ops under the caller's autocast would see
+    # other dtypes than they compute (observe.call_compiler covers backwards compiled later).
     with ambient.no_autocast():
         if training:
             compiled = compile_training(
