@@ -20,9 +20,11 @@ Target: warm aotgrad <= 0.8x upstream's warm time (medians), cold numbers beside
 
 Precompile (`--precompile-rows`, default nanogpt: the demo's GPT-2 in plain torch, see `_make`; `--rows ''` runs only these): the model's loss forward is
 `aot_compile`d and saved (`save_compiled_function`) by one fresh process per backend, then loaded
-(`torch.compiler.load_compiled_function`) by `--repeats` fresh processes that run the first step (the
-AdamW step is compiled as usual, with the saving process's caches: Dynamo cannot `aot_compile` it, the
-optimizer's `_use_grad` breaks the graph). Measured in the same run: (1) aotgrad's first step via
+(`torch.compiler.load_compiled_function`) by `--repeats` fresh processes that run the first step. The
+AdamW step is precompiled too, through `aotgrad.OptimizerStep` (the step's update as a plain function:
+`opt.step` itself cannot be `aot_compile`d, its `_use_grad` breaks the graph), on both backends' sides;
+`--adamw compile` compiles it as usual instead (`torch.compile(opt.step)`, Dynamo traces it in each
+process, with the saving process's caches). Measured in the same run: (1) aotgrad's first step via
 precompile against upstream's usual warm start (Inductor, its caches filled by a cold process),
 from process start, target <= 0.8x; (2) aotgrad's precompile load against upstream Inductor's
 (the `load_compiled_function` call, the same call on both sides: Dynamo's import, unpickling, the
@@ -104,9 +106,9 @@ def child(backend: str, row: str) -> dict:
             "aot": {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}}
 
 
-def precompile_child(mode: str, backend: str, row: str, folder: str) -> dict:
+def precompile_child(mode: str, backend: str, row: str, folder: str, adamw: str = "precompile") -> dict:
     """`save`: aot_compile the model's forward, save it, run the first step. `load`: load it
-    (timed alone too) and run the first step. The AdamW step is compiled as usual (warm caches)."""
+    (timed alone too) and run the first step. The AdamW step: `adamw` (see `_adamw_step`)."""
     import torch
     from harness import sum_outputs
 
@@ -135,11 +137,31 @@ def precompile_child(mode: str, backend: str, row: str, folder: str) -> dict:
     if mode != "save":
         first = time.perf_counter() - t0
     if opt is not None:
-        torch.compile(opt.step, backend=backend)()
+        _adamw_step(opt, mode, backend, adamw, path + ".adamw")
     end = time.perf_counter()
     check = float(loss.detach()) + (float(sum(p.detach().sum() for p in pristine.parameters())) if opt else 0.0)
     return {"seconds": end - t0, "process": end - PROCESS_START, "load": load, "load_cpu": load_cpu, "first": first,
             "check": check}
+
+
+def _adamw_step(opt, mode: str, backend: str, adamw: str, path: str) -> None:
+    """`compile`: `torch.compile(opt.step)` (Dynamo traces it in every process). `precompile`: its
+    update `aot_compile`d and saved (`save`) or loaded (`load`) through `aotgrad.OptimizerStep`."""
+    import torch
+
+    if adamw == "compile":
+        torch.compile(opt.step, backend=backend)()
+        return
+    from aotgrad import OptimizerStep
+
+    update = OptimizerStep(opt)
+    if mode == "save":
+        step = torch.compile(update.function, fullgraph=True, backend=backend).aot_compile((update.arguments(), {}))
+        step.save_compiled_function(path)
+    else:
+        with open(path, "rb") as f:
+            step = torch.compiler.load_compiled_function(f)
+    step(*update.arguments())
 
 
 def _cpu_seconds() -> float:
@@ -168,7 +190,7 @@ def compile_bytecode() -> None:
 def run_child(backend: str, row: str, cache_dir: str, precompile: tuple | None = None) -> dict | None:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "AOTGRAD_CACHE": "1"}
     cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, row]
-    if precompile is not None:  # (mode, folder of the saved file)
+    if precompile is not None:  # (mode, folder of the saved file, how the AdamW step is compiled)
         cmd += ["--precompile", *precompile]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
@@ -207,14 +229,14 @@ def measure(row: str, repeats: int) -> dict:
     return out
 
 
-def measure_precompile(row: str, repeats: int) -> dict:
+def measure_precompile(row: str, repeats: int, adamw: str) -> dict:
     """Per backend a cache folder: a `save` process, then `repeats` `load` processes; and upstream's
     usual warm start (a cold Inductor process, then `repeats` warm ones) in its own folder."""
     folders = {b: tempfile.mkdtemp(prefix=f"precompile-{b}-") for b in (*BACKENDS, "usual")}
     out: dict = {k: {"save": None, "runs": [], "checks": []} for k in (*BACKENDS, "usual")}
     try:
         for b in BACKENDS:
-            got = run_child(b, row, folders[b], ("save", folders[b]))
+            got = run_child(b, row, folders[b], ("save", folders[b], adamw))
             if got is not None:
                 out[b]["save"] = got["seconds"]
                 out[b]["checks"].append(got["check"])
@@ -230,7 +252,7 @@ def measure_precompile(row: str, repeats: int) -> dict:
                 if k == "usual":
                     got = run_child("inductor", row, folders["usual"])
                 else:
-                    got = run_child(k, row, folders[k], ("load", folders[k])) if out[k]["save"] is not None else None
+                    got = run_child(k, row, folders[k], ("load", folders[k], adamw)) if out[k]["save"] is not None else None
                 if got is None:
                     continue
                 out[k]["runs"].append(got)
@@ -245,12 +267,12 @@ def measure_precompile(row: str, repeats: int) -> dict:
     return out
 
 
-def precompile_table(rows: list[str], repeats: int) -> bool:
+def precompile_table(rows: list[str], repeats: int, adamw: str) -> bool:
     from harness import fmt_ratio, table
 
     table_rows, verdict = [], True
     for row in rows:
-        res = measure_precompile(row, repeats)
+        res = measure_precompile(row, repeats, adamw)
         a, i, u = res["aotgrad"], res["inductor"], res["usual"]
         if not a["runs"] or not i["runs"] or not u["runs"]:
             table_rows.append([row] + ["-"] * 12 + ["failed"])
@@ -276,7 +298,8 @@ def precompile_table(rows: list[str], repeats: int) -> bool:
     print(f"== precompile: first step in a fresh process that loads the aot_compiled model (median of {repeats}, s, "
           "from process start) vs upstream's usual warm start; load = load_compiled_function alone (wall clock; "
           "'pairs' = median of the per-repeat ratios; 'CPU' = its CPU seconds, subprocesses included); "
-          "'+ call' = the load and the first forward + backward ==")
+          "'+ call' = the load and the first forward + backward; "
+          f"AdamW step: {'precompiled (OptimizerStep)' if adamw == 'precompile' else 'torch.compile(opt.step)'} ==")
     print(table(["row", "aotgrad precompile", "inductor usual warm", "ratio", "inductor precompile", "aotgrad load",
                  "inductor load", "load ratio", "pairs", "CPU", "+ call", "aotgrad save", "inductor save", "check"],
                 table_rows, "lrrrrrrrrrrrrl"))
@@ -290,15 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="warm fresh-process runs per backend and row (default 3)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--precompile-rows", default="nanogpt",
-                   help="rows measured through aot_compile / load_compiled_function ('' for none; default gpt2)")
+                   help="rows measured through aot_compile / load_compiled_function ('' for none; default nanogpt)")
     p.add_argument("--child", nargs=2, metavar=("BACKEND", "ROW"), help=argparse.SUPPRESS)
-    p.add_argument("--precompile", nargs=2, metavar=("MODE", "FOLDER"), help=argparse.SUPPRESS)
+    p.add_argument("--adamw", choices=("precompile", "compile"), default="precompile",
+                   help="precompile rows: the AdamW step precompiled through aotgrad.OptimizerStep (default), or "
+                        "torch.compile(opt.step) as usual")
+    p.add_argument("--precompile", nargs=3, metavar=("MODE", "FOLDER", "ADAMW"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         import warnings
 
         warnings.filterwarnings("ignore")
-        result = precompile_child(args.precompile[0], *args.child, args.precompile[1]) if args.precompile else \
+        result = precompile_child(args.precompile[0], *args.child, *args.precompile[1:]) if args.precompile else \
             child(*args.child)
         print(json.dumps(result))
         return 0
@@ -311,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         precompile_rows = [r for r in precompile_rows if r != "gpt2"]
     compile_bytecode()
     if precompile_rows:
-        precompile_table(precompile_rows, args.repeats)
+        precompile_table(precompile_rows, args.repeats, args.adamw)
     if not rows:
         return 0
     from harness import fmt_ratio, table

@@ -41,6 +41,8 @@ for _module, _names in {
     ".compile.compilers": ("draw_graph", "draw_graph_compile", "get_aot_compilation_context", "get_aot_graph_name",
                            "get_graph_being_compiled", "make_boxed_compiler", "make_boxed_func", "nop",
                            "print_compile", "print_graph", "set_model_name"),
+    # an Adam/AdamW step as a plain function, so precompile can save it (backend/optimizer_step.py)
+    ".backend.optimizer_step": ("OptimizerStep", "UnsupportedOptimizerError"),
     ".export.export": ("BackwardSignature", "GraphSignature", "aot_export_joint_simple", "aot_export_module"),
     ".observe": ("compile_times",),
     ".partition.default": ("default_partition",),
@@ -137,3 +139,5 @@ __all__ += [
     "saved_residuals",
     "saved_residuals_module",
 ]
+
+__all__ += ["OptimizerStep", "UnsupportedOptimizerError"]
