@@ -349,6 +349,33 @@ def warm_start_cache():
     assert any(v for v in hits.values()), f"no cache hit in the second process: {warm}"
 
 
+@check
+def optimizer_step():
+    """aotgrad.OptimizerStep compiled (what precompile saves) against torch.compile(opt.step) and
+    eager AdamW: parameters after three steps, step counts on the parameters' device."""
+    def run(how):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(DEV)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-3), weight_decay=0.1)
+        if how == "function":
+            update = aotgrad.OptimizerStep(opt)
+            compiled = torch.compile(update.function, fullgraph=True, backend="aotgrad")
+            step = lambda: compiled(*update.arguments())  # noqa: E731
+        else:
+            step = torch.compile(opt.step, backend="aotgrad") if how == "compiled" else opt.step
+        for i in range(3):
+            x = torch.randn(8, 16, device=DEV, generator=torch.Generator(DEV).manual_seed(i))
+            model(x).pow(2).sum().backward()
+            step()
+            opt.zero_grad()
+        return list(model.parameters()), [opt.state[p]["step"] for p in model.parameters()]
+
+    (got, steps), (want, want_steps), (eager, _) = run("function"), run("compiled"), run("eager")
+    close(got, want, "vs torch.compile(opt.step)")
+    close(got, eager, "vs eager", atol=1e-5, rtol=1e-4)
+    assert all(float(s) == 3 and s.device == w.device for s, w in zip(steps, want_steps)), (steps, want_steps)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("-k", default="", help="run only checks whose name contains this")

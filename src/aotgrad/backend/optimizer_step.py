@@ -73,6 +73,7 @@ class OptimizerStep:
                 raise UnsupportedOptimizerError("an optimizer with a gradient scaler's grad_scale/found_inf set "
                                                 "cannot be stepped through OptimizerStep")
         self.optimizer = optimizer
+        _capturable_on_gpus(optimizer)
 
     def arguments(self) -> tuple[list[dict[str, Any]]]:
         """The positional arguments of `function` for the gradients present now, after initialising
@@ -91,3 +92,13 @@ class OptimizerStep:
     def __call__(self) -> None:
         """Run the step eagerly (the reference the compiled function is checked against)."""
         self.function(*self.arguments())
+
+
+def _capturable_on_gpus(optimizer: torch.optim.Optimizer) -> None:
+    """Make a group `capturable` when all its parameters are on a GPU and none has state yet, as
+    Dynamo does to the optimizer `torch.compile(opt.step)` traces: the step counts are then made on
+    the GPU (not as CPU scalars beside GPU tensors), and CUDA graphs can capture the update."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if params and all(p.is_cuda or p.is_xpu for p in params) and not any(p in optimizer.state for p in params):
+            group["capturable"] = True
