@@ -6,7 +6,8 @@ torch 2.11 and run aotgrad from src/, so the handful of helpers renamed since ar
 once. What `make test`'s files show on torch 2.11 (the cu130 wheel, run on CPU, session 25): 1,427
 passed and 45 failed before the `is_out` fallback below (16 of them: custom ops with mutations); of the
 rest, none is a wrong result of aotgrad's own:
-  * precompile (`aot_compile`, 9 tests, its docs page) is a torch 2.13 feature;
+  * precompile (`aot_compile`, 9 tests, its docs page) is a torch 2.13 feature (so is the saved and
+    loaded `OptimizerStep` test, added later; its other tests pass on 2.11);
   * where aotgrad differs from eager, upstream on 2.11 does too: LSTM in eval with oneDNN returns
     `h_n` with an extra dimension (2.11's decomposition, the same shapes upstream); Inductor rounds
     an autocast bf16 head beyond the tests' 1e-4 (the same values upstream); its kernels that mix
