@@ -207,20 +207,35 @@ _CHAIN_LIMIT = 16  # ops remade for one late read at most
 _CHAIN_TRIES = 64  # candidate chains weighed per graph at most (each one simulation of the graph)
 
 
-def _storages(nodes: list[Node]) -> tuple[dict[Node, Node], dict[Node, int]]:
+def _storages(nodes: list[Node], memo: dict[Node, tuple[bool, int]] | None = None,
+              ) -> tuple[dict[Node, Node], dict[Node, int]]:
     """Each node's storage (a view's is its base's) and each storage's bytes; none for the forward's
-    graph inputs handed over (parameters, the batch: their caller holds them anyway)."""
+    graph inputs handed over (parameters, the batch: their caller holds them anyway). `memo` keeps
+    each node's `_storage_kind` between the simulations of one graph as it is edited."""
+    memo = {} if memo is None else memo
     root: dict[Node, Node] = {}
     size: dict[Node, int] = {}
     for n in nodes:
-        base = n.args[0] if n.op == "call_function" and n.args else None
-        if isinstance(base, Node) and op_class(n) in ("view", "free") and base in root:
+        kind = memo.get(n)
+        if kind is None:
+            kind = memo[n] = _storage_kind(n)
+        is_view, nbytes = kind
+        base = n.args[0] if is_view else None
+        if is_view and base in root:
             root[n] = root[base]
         else:
             root[n] = n
-            held = n.op == "output" or (n.op == "placeholder" and n.name.startswith("primals"))
-            size[n] = 0 if held else tensor_nbytes(n.meta.get("val"))
+            size[n] = nbytes
     return root, size
+
+
+def _storage_kind(n: Node) -> tuple[bool, int]:
+    """(whether `n` views its first argument's storage, the bytes it holds if it is a storage of
+    its own). Neither changes when the node's inputs are swapped for copies of them."""
+    base = n.args[0] if n.op == "call_function" and n.args else None
+    is_view = isinstance(base, Node) and op_class(n) in ("view", "free")
+    held = n.op == "output" or (n.op == "placeholder" and n.name.startswith("primals"))
+    return is_view, 0 if held else tensor_nbytes(n.meta.get("val"))
 
 
 def _live_curve(order: list[Node], root: dict[Node, Node], size: dict[Node, int]) -> list[int]:
@@ -243,12 +258,12 @@ def _live_curve(order: list[Node], root: dict[Node, Node], size: dict[Node, int]
     return curve
 
 
-def simulated_peak(graph: torch.fx.Graph) -> int:
+def simulated_peak(graph: torch.fx.Graph, memo: dict[Node, tuple[bool, int]] | None = None) -> int:
     """Live bytes at the highest point of running `graph` node by node, each value freed after its
     last read (a view's reads count for its base's storage; inputs alive from the start, the
     forward's own graph inputs counting nothing: their caller holds them)."""
     nodes = list(graph.nodes)
-    return max(_live_curve(nodes, *_storages(nodes)), default=0)
+    return max(_live_curve(nodes, *_storages(nodes, memo)), default=0)
 
 
 def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -> bool:
@@ -260,6 +275,7 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
     around the late read, so a copy is kept only where it lowers the graph's `simulated_peak`."""
     changed, tries = False, 0
     peak = None
+    memo: dict[Node, tuple[bool, int]] = {}  # each node's storage kind, for every simulation below
     origin = lambda m: m.meta.get(REMADE_FROM, m.name)  # noqa: E731
     remade: set[str] = set()  # each forward value is remade by one chain at most: bounded extra work
     pos: dict[Node, int] = {}
@@ -297,7 +313,7 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
             continue  # not a chain (the one-op case is `_remake_for_late_users`'s), or remade already
         tries += 1
         if peak is None:
-            peak = simulated_peak(graph)
+            peak = simulated_peak(graph, memo)
         later = [u for u in users if pos[u] > pos[first] and work_before[pos[u]] - work_before[pos[first] + 1] > 0]
         at = later[0]
         copies: dict[Node, Node] = {}
@@ -308,7 +324,7 @@ def _remake_chains_for_late_users(graph: torch.fx.Graph, dependent: set[Node]) -
                 copies[m] = c
         for w in later:
             w.replace_input_with(n, copies[n])
-        new_peak = simulated_peak(graph)
+        new_peak = simulated_peak(graph, memo)
         if new_peak < peak:
             peak, changed = new_peak, True
             remade.update(origin(m) for m in chain)
