@@ -130,7 +130,7 @@ def _run(mode: str, backend: str, folder, cache_dir) -> dict:
 def test_saved_in_one_process_loaded_in_another(tmp_path, backend):
     """The loaded update, in a fresh process with an empty Inductor cache, trains exactly as the
     compiled one did in the saving process, and as eager's `optimizer.step()` to float rounding.
-    Its graph holds `prims.fma` (Dynamo's form of `addcdiv_` with a value), which a process that has
+    Its graph holds `prims.fma` (Dynamo's form of `addcmul_` with a value), which a process that has
     not imported Inductor's prims could not unpickle before `cache.serialize.load_graph` imported them."""
     saved = _run("save", backend, tmp_path, tmp_path / "cache-save")
     loaded = _run("load", backend, tmp_path, tmp_path / "cache-load")
