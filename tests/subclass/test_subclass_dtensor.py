@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import pytest
 import torch
@@ -91,9 +92,15 @@ def _rank_main(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=TIMEOUT)
     try:
         _train_and_compare(init_device_mesh("cpu", (2,)), None)
-        dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    # Leave without the C++ teardown at interpreter exit: there torch 2.13's gloo sometimes aborts a
+    # rank ("terminate called without an active exception") after everything compared equal, in
+    # eager DTensor training too (3 of 20 two-rank eager runs of this model, 2 of 20 through aotgrad).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_dtensor_parameters_two_ranks():
