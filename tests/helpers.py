@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import torch
 import torch.nn as nn
@@ -329,3 +332,14 @@ def assert_same_results(a, b, exact: bool, where: str = "") -> None:
             torch.testing.assert_close(a, b, msg=lambda m: f"{where}: {m}")
     else:
         assert a == b, where
+
+
+def run_job_script(script: str, mode: str, backend: str, folder, cache_dir) -> dict:
+    """Run `python SCRIPT MODE BACKEND FOLDER` in a fresh process with its own Inductor cache folder
+    and aotgrad's on-disk cache on (a save or a load of a precompile round trip); the results it
+    saved to FOLDER/MODE.pt."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "AOTGRAD_CACHE": "1"}
+    proc = subprocess.run([sys.executable, script, mode, backend, str(folder)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return torch.load(os.path.join(str(folder), f"{mode}.pt"), weights_only=False)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import aotgrad
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, run as a script
-from helpers import assert_same_results  # noqa: E402
+from helpers import assert_same_results, run_job_script  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -170,11 +169,7 @@ def _mega_job(mode: str, backend: str, folder: str) -> None:
 
 
 def _run(mode: str, backend: str, folder, cache_dir) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "AOTGRAD_CACHE": "1"}
-    proc = subprocess.run([sys.executable, HERE, mode, backend, str(folder)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return torch.load(os.path.join(folder, f"{mode}.pt"), weights_only=False)
+    return run_job_script(HERE, mode, backend, folder, cache_dir)
 
 
 # ----------------------------------------------------------------------------------------------
