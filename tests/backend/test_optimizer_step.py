@@ -65,7 +65,8 @@ def test_eager_equals_optimizer_step(name):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_compiled_function_equals_compiled_step(name):
     """`torch.compile(function, fullgraph=True)` traces without a graph break and updates as
-    `torch.compile(optimizer.step)` does (state counters exactly, values to float rounding)."""
+    `torch.compile(optimizer.step)` does (step counts exactly; parameters and moments to float
+    rounding), and as eager's `optimizer.step()` to float rounding."""
     a, b = _model(), _model()
     opt_a, opt_b = OPTIMIZERS[name](list(a.parameters())), OPTIMIZERS[name](list(b.parameters()))
     update = OptimizerStep(opt_a)
@@ -73,8 +74,12 @@ def test_compiled_function_equals_compiled_step(name):
     got = _train(a, lambda: compiled(*update.arguments()))
     want = _train(b, torch.compile(opt_b.step, backend="aotgrad_eager"))
     assert_same_results(got, want, exact=False, where=name)
+    assert_same_results(_state(opt_a), _state(opt_b), exact=False, where=f"{name} state")
     assert_same_results([s["step"] for s in _state(opt_a)], [s["step"] for s in _state(opt_b)], exact=True,
                         where=f"{name} steps")
+    c = _model()
+    opt_c = OPTIMIZERS[name](list(c.parameters()))
+    assert_same_results(got, _train(c, opt_c.step), exact=False, where=f"{name} vs eager")
 
 
 def test_other_optimizers_refused():

@@ -69,9 +69,9 @@ class OptimizerStep:
                 raise UnsupportedOptimizerError(
                     f"param group {i} of the optimizer is fused=True: its fused kernel is one op already; "
                     "use foreach or the default, or call optimizer.step() without compiling it")
-            if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
-                raise UnsupportedOptimizerError("an optimizer with a gradient scaler's grad_scale/found_inf set "
-                                                "cannot be stepped through OptimizerStep")
+        if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+            raise UnsupportedOptimizerError("an optimizer with a gradient scaler's grad_scale/found_inf set "
+                                            "cannot be stepped through OptimizerStep")
         self.optimizer = optimizer
         _capturable_on_gpus(optimizer)
 

@@ -179,8 +179,8 @@ def _picklable(v: Any) -> bool:
 
 
 def load_graph(data: bytes, fake_mode) -> torch.fx.GraphModule:
-    # Inductor's decompositions emit ops of its own (`prims.fma` for addcdiv, ...) that exist only
-    # once their module is imported; a fresh process may not have imported it yet.
+    # Dynamo records `addcmul_`/`addcdiv_` with a value as Inductor's `prims.fma`, an op that exists
+    # once its module is imported: a precompile load (no Dynamo trace) may not have imported it yet.
     import torch._inductor.inductor_prims  # noqa: F401
     from torch.fx._graph_pickler import GraphPickler
 
