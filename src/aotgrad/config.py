@@ -44,9 +44,15 @@ recompile_limit: int = 8
 # eagerly for new signatures (warning once); signatures already compiled keep running compiled.
 recompile_hard_limit: int = 64
 
+# Inductor compilers: the compiled backward may write into the saved forward intermediates it reads
+# last ("donated buffers", as upstream's `torch._functorch.config.donated_buffer`), so a large
+# gradient (a language model's logits') takes the saved value's memory instead of new memory beside
+# it. Safe under retain_graph=True and saved-tensor hooks (inductor/donation.py).
+donated_buffers: bool = True
+
 _NAMES = (
     "fallback_to_eager", "symbolic_shapes", "inductor_graph_passes", "explain_dir", "recompile_limit",
-    "recompile_hard_limit", "cache",
+    "recompile_hard_limit", "cache", "donated_buffers",
 )
 
 

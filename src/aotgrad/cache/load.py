@@ -67,7 +67,7 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
     backward without an Inductor key gets compiled (its key goes into the entry)."""
     from ..compile.compile import _aot_ids
     from ..compile.compilers import boxed, naming
-    from ..inductor import cudagraphs
+    from ..inductor import cudagraphs, donation
     from ..inductor.compilers import inductor_compilers, link_backward
     from ..runtime.runner import build_runner
     from ..signature.ambient import no_autocast
@@ -98,7 +98,8 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
         backward = None
         if entry.backward.inductor_key is not None and compilers is not None:
             with naming("backward", aot_id), no_autocast():
-                backward = boxed(load_inductor(compilers, entry.backward, "backward", primals, pair))
+                loaded = load_inductor(compilers, entry.backward, "backward", primals, pair)
+                backward = boxed(donation.guard(loaded, entry.backward.donated))
 
         def load_bw() -> torch.fx.GraphModule:
             bw = graphs.backward()

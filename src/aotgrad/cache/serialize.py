@@ -38,6 +38,7 @@ class GraphRecord:
     graph: bytes | None
     inductor_key: str | None = None
     guards_expr: str | None = None
+    donated: tuple[int, ...] = ()  # inputs the compiled code writes into (inductor/donation.py)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Recorder:
 
     def __init__(self):
         self.forward: bytes | None = None
-        self.forward_artifact: tuple[str, str | None] | None = None
+        self.forward_artifact: tuple[str, str | None, tuple[int, ...]] | None = None
         self.failure: str | None = None
         # Set once the entry is made: the compiled functions of a later differentiable backward
         # (higher_order/backward.py), built with the same compilers, are not this signature's forward.
@@ -125,19 +126,24 @@ def _like(wrapper: Callable, compiler: Callable) -> Callable:
     return wrapper
 
 
-def inductor_artifact(compiled: Any) -> tuple[str, str | None] | None:
-    """(FX-graph cache key, guards) of what Inductor compiled, when its FX-graph cache holds it
-    (not for a bypassed or no-op graph, or one whose constants live outside the artifact)."""
+def inductor_artifact(compiled: Any) -> tuple[str, str | None, tuple[int, ...]] | None:
+    """(FX-graph cache key, guards, donated inputs) of what Inductor compiled, when its FX-graph
+    cache holds it (not for a bypassed or no-op graph, or one whose constants live outside the
+    artifact)."""
     from torch._inductor.codecache import FxGraphCache
     from torch._inductor.output_code import CompiledFxGraph
 
-    compiled = getattr(compiled, "aotgrad_compiled", compiled)
+    donated: tuple[int, ...] = ()
+    # The backend's and donation's wrappers (the backend's may be the function itself).
+    while getattr(compiled, "aotgrad_compiled", compiled) is not compiled:
+        donated = getattr(compiled, "aotgrad_donated", donated)
+        compiled = compiled.aotgrad_compiled
     if not isinstance(compiled, CompiledFxGraph) or getattr(compiled, "frozen_param_names", None):
         return None
     key = getattr(compiled, "_fx_graph_cache_key", None)
     if not isinstance(key, str) or not os.path.isdir(FxGraphCache._get_tmp_dir_for_key(key)):
         return None
-    return key, compiled.guards_expr
+    return key, compiled.guards_expr, donated
 
 
 def dump_graph(gm: torch.fx.GraphModule) -> bytes:
@@ -241,7 +247,7 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
         loads(dumps(run.plan))
     except Exception as e:  # noqa: BLE001
         raise Uncacheable(f"the plan cannot be pickled ({type(e).__name__}: {e})") from e
-    key, guards = recorder.forward_artifact or (None, None)
+    key, guards, _ = recorder.forward_artifact or (None, None, ())
     fw_meta = {k: v for k, v in compiled.fw_module.meta.items() if k.startswith("aotgrad_") and _picklable(v)}
     return Entry(
         plan=run.plan,
@@ -260,11 +266,12 @@ def make_entry(run: Any, recorder: Recorder) -> Entry:
     )
 
 
-def with_backward(entry: Entry, artifact: tuple[str, str | None] | None) -> Entry | None:
+def with_backward(entry: Entry, artifact: tuple[str, str | None, tuple[int, ...]] | None) -> Entry | None:
     """`entry` with its backward's Inductor key, once the backward is compiled (None: no change)."""
     if artifact is None or entry.backward is None or entry.backward.inductor_key == artifact[0]:
         return None
-    return replace(entry, backward=replace(entry.backward, inductor_key=artifact[0], guards_expr=artifact[1]))
+    key, guards, donated = artifact
+    return replace(entry, backward=replace(entry.backward, inductor_key=key, guards_expr=guards, donated=donated))
 
 
 def graph_facts(plan: Any, compiled: Any) -> GraphFacts:

@@ -15,7 +15,7 @@ import torch.fx
 
 from .. import config
 from ..compile.compile import SAME_INPUTS_AS, placeholder_values
-from . import cudagraphs, isa_probe
+from . import cudagraphs, donation, isa_probe
 from .context import BackendCompileError, _compile_context, _graph_ids
 
 log = logging.getLogger("aotgrad.inductor")
@@ -117,6 +117,7 @@ class _InductorCompilers:
                     joint_module = _recursive_joint_graph_passes(joint_module)
             fw, bw = partition_fn(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             fw.meta[_NUM_FWD] = num_fwd_outputs
+            fw.meta[donation.FRESH_SAVED] = donation.fresh_saved(fw, num_fwd_outputs)
             link_backward(bw, fw)
             return fw, bw
 
@@ -141,11 +142,13 @@ class _InductorCompilers:
     def backward(self, gm: torch.fx.GraphModule, _example_inputs) -> Callable:
         first = gm.meta.get(SAME_INPUTS_AS)  # a variant of the compiled backward: its forward is that one's
         fw = _FORWARD_OF.get(gm) or _FORWARD_OF.get(first)
+        fresh = fw.meta.get(donation.FRESH_SAVED, ()) if fw is not None and config.donated_buffers else ()
+        donated = donation.donatable(gm, fresh)
         if fw is not None:
             _restride_saved(gm, fw)
         if cudagraphs.pair_of(gm) is None and first is not None and cudagraphs.pair_of(first) is not None:
             cudagraphs.link(gm, pair=cudagraphs.pair_of(first))
-        return self._compile(gm, visible=None, is_inference=False, is_backward=True, forward=fw)
+        return self._compile(gm, visible=None, is_inference=False, is_backward=True, forward=fw, donated=donated)
 
     @contextlib.contextmanager
     def _context(self, example: list, patches: dict | None = None):
@@ -179,7 +182,8 @@ class _InductorCompilers:
                   self.graph_id, graph_kwargs["cudagraphs"].value, graph_kwargs["static_input_idxs"])
         return graph_kwargs, saved
 
-    def _compile(self, gm, *, visible, is_inference, is_backward, primals=(), forward=None) -> Callable:
+    def _compile(self, gm, *, visible, is_inference, is_backward, primals=(), forward=None,
+                 donated: tuple[int, ...] = ()) -> Callable:
         from torch._guards import TracingContext
         from torch._inductor.compile_fx import compile_fx_inner
 
@@ -191,10 +195,12 @@ class _InductorCompilers:
         out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
         kind = "backward" if is_backward else "inference" if is_inference else "forward"
         isa_probe.wait()  # Inductor's first C++ kernel asks for the probe's result
-        with self._context(example, self.patches if is_backward else self.forward_patches):
+        with self._context(example, self.patches if is_backward else self.forward_patches) as ctx:
             graph_kwargs, saved = self._cudagraph_kwargs(gm, kind, primals, forward, visible)
             requested = graph_kwargs["cudagraphs"].value
-            with TracingContext.report_output_strides() as strides:
+            if requested:  # donated buffers under CUDA graphs have not been checked on a GPU yet
+                donated = ()
+            with TracingContext.report_output_strides() as strides, donation.donating(ctx, donated):
                 compiled = compile_fx_inner(
                     gm,
                     example,
@@ -209,7 +215,7 @@ class _InductorCompilers:
             if kind == "forward" and strides is not None:
                 # Concrete strides (size hints); the expressions they came from, for symbolic sizes.
                 gm.meta[_OUT_STRIDES] = list(zip(strides, getattr(compiled, "output_strides", None) or strides))
-        return compiled
+        return donation.guard(compiled, donated)
 
 
 def _views_alias_their_base(gm: torch.fx.GraphModule) -> None:
