@@ -14,7 +14,7 @@ pass/fail and aotgrad ÷ Inductor for
   * step time: median over `--steps` steps, the two compiled variants taking turns step by step
     (CUDA events on a GPU, perf_counter on CPU);
   * activation peak: `max_memory_allocated` during forward+backward above what was allocated before
-    the step (CUDA only);
+    the step (on CPU, the same from the profiler's allocator events);
   * first step: compile + first step, fresh Inductor cache, Dynamo reset per model; which backend
     goes first alternates from model to model, after an untimed small-model step of each (the
     process's one-time imports and probes belong to no model);
@@ -329,17 +329,38 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
     clock.collect()
 
     # Activation peak: forward + backward, above what was allocated before the step.
-    if device.type == "cuda":
-        for v in live:
-            gc.collect()
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            trainers[v].forward_backward(sm.batches[-1])
-            torch.cuda.synchronize()
-            row.variants[v].peak_bytes = torch.cuda.max_memory_allocated() - before
-            trainers[v].opt.zero_grad(set_to_none=True)
+    for v in live:
+        gc.collect()
+        row.variants[v].peak_bytes = activation_peak(device, lambda v=v: trainers[v].forward_backward(sm.batches[-1]))
+        trainers[v].opt.zero_grad(set_to_none=True)
     return row
+
+
+def activation_peak(device: torch.device, fn: Callable[[], object]) -> int | None:
+    """Bytes allocated at the highest point of `fn` above what was allocated before it:
+    `max_memory_allocated` on CUDA; on CPU the same sum over the profiler's allocator events (every
+    allocation and free of the CPU allocator, Inductor's buffers included), so a CPU run shows the
+    memory a GPU would hold for the same graphs, up to the kernels each device picks."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    if device.type != "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +369,12 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
 
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _size(x: int | None) -> str:
+    """MiB: whole on a GPU's model sizes, to 0.01 on the CPU dry run's tiny ones."""
+    mib = _mib(x)
+    return _f(mib, ".0f" if mib is None or mib >= 100 else ".2f")
 
 
 def _mib(x: int | None) -> float | None:
@@ -368,7 +395,7 @@ def report(rows: list[Row], device: torch.device) -> str:
             notes.append("first: " + " then ".join(r.first_order))
         lines.append([r.model, r.source, r.shape, "PASS" if r.passed() else "FAIL",
                       _f(r.ratio("step"), ".2f"), _f(a.median_ms(), ".1f"), _f(b.median_ms(), ".1f"),
-                      _f(r.ratio("peak"), ".2f"), _f(_mib(a.peak_bytes), ".0f"), _f(_mib(b.peak_bytes), ".0f"),
+                      _f(r.ratio("peak"), ".2f"), _size(a.peak_bytes), _size(b.peak_bytes),
                       _f(r.ratio("first"), ".2f"), _f(a.first_step_s, ".1f"), _f(b.first_step_s, ".1f"),
                       _f(r.loss_diff("aotgrad"), ".2e"), _f(r.loss_diff("inductor"), ".2e"), "; ".join(notes)])
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(headers)]

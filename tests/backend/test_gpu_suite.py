@@ -63,3 +63,19 @@ def test_row_verdicts():
     row.variants["aotgrad"] = gpu_suite.Variant(error="RuntimeError: x")
     assert not row.passed() and row.ratio("step") is None
     assert "FAIL" in gpu_suite.report([row], torch.device("cpu"))
+
+
+def test_cpu_activation_peak_counts_the_allocator():
+    """On CPU the peak comes from the profiler's allocator events: two 4 MB buffers alive at once,
+    then one freed before a third, peak 8 MB above what was allocated before."""
+    held = torch.randn(1000, 1000)
+
+    def work():
+        a = held * 2
+        b = a * 3
+        del a
+        c = b + 1
+        return c.sum()
+
+    peak = gpu_suite.activation_peak(torch.device("cpu"), work)
+    assert 8_000_000 <= peak < 8_100_000, peak
