@@ -192,7 +192,10 @@ class _InductorCompilers:
         outs = list(out.args[0])
         n = len(outs) if visible is None else visible
         # Outputs the run time hands to the user (or rebuilds views from) keep eager's strides.
-        out.meta["user_visible_output_idxs"] = [i for i in range(n) if isinstance(outs[i], torch.fx.Node)]
+        # So do saved graph inputs: the partitioner saved them because the caller holds them anyway,
+        # which a copy in Inductor's preferred layout (channels-last for convolutions) would undo.
+        out.meta["user_visible_output_idxs"] = [
+            i for i, o in enumerate(outs) if isinstance(o, torch.fx.Node) and (i < n or o.op == "placeholder")]
         kind = "backward" if is_backward else "inference" if is_inference else "forward"
         isa_probe.wait()  # Inductor's first C++ kernel asks for the probe's result
         with self._context(example, self.patches if is_backward else self.forward_patches) as ctx:
