@@ -6,7 +6,9 @@ otherwise plain-torch stand-ins of the same architecture are used (timm imports 
 does not load beside the CPU torch on the development machines). Dropout is off everywhere, so every
 variant computes the same function and the losses can be compared with eager's.
 
-`tiny=True` gives configs small enough for a CPU dry run in seconds.
+`size` is "full" (the GPU rows), "mid" (CPU-sized layers, but the real vocabularies and class
+counts, whose logits are where the memory of a training step peaks: what a CPU run can compare
+aotgrad's activation peak with Inductor's on), or "tiny" (a CPU dry run in seconds).
 """
 
 from __future__ import annotations
@@ -152,12 +154,14 @@ def _tokens(vocab: int, batch: int, seq: int, steps: int, device, gen: torch.Gen
     return [torch.randint(0, vocab, (batch, seq), generator=gen).to(device) for _ in range(steps)]
 
 
-def gpt2(tiny: bool, device, steps: int, gen, layers: int = 12, dim: int = 768, batch: int = 8, seq: int = 512,
+def gpt2(size: str, device, steps: int, gen, layers: int = 12, dim: int = 768, batch: int = 8, seq: int = 512,
          name: str = "gpt2", mode: str | None = None) -> SuiteModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    if tiny:
+    if size == "tiny":
         layers, dim, batch, seq, vocab, heads = 2, 64, 2, 32, 128, 2
+    elif size == "mid":
+        layers, dim, batch, seq, vocab, heads = 2, 256, 2, 256, 50257, 4
     else:
         vocab, heads = 50257, max(dim // 64, 1)
     cfg = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=max(seq, 64),
@@ -167,13 +171,17 @@ def gpt2(tiny: bool, device, steps: int, gen, layers: int = 12, dim: int = 768, 
     return SuiteModel(name, "transformers", mod, batches, f"{layers}L {dim}, {batch}×{seq}", mode)
 
 
-def bert(tiny: bool, device, steps: int, gen) -> SuiteModel:
+def bert(size: str, device, steps: int, gen) -> SuiteModel:
     from transformers import BertConfig, BertForMaskedLM
 
-    if tiny:
+    if size == "tiny":
         cfg = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         batch, seq = 2, 32
+    elif size == "mid":
+        cfg = BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        batch, seq = 4, 128
     else:
         cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # BERT-base
         batch, seq = 16, 256
@@ -187,13 +195,17 @@ def bert(tiny: bool, device, steps: int, gen) -> SuiteModel:
                       f"{cfg.num_hidden_layers}L {cfg.hidden_size}, {batch}×{seq}")
 
 
-def llama(tiny: bool, device, steps: int, gen) -> SuiteModel:
+def llama(size: str, device, steps: int, gen) -> SuiteModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if tiny:
+    if size == "tiny":
         cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         batch, seq = 2, 32
+    elif size == "mid":
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512)
+        batch, seq = 2, 256
     else:
         cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                           num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
@@ -204,13 +216,17 @@ def llama(tiny: bool, device, steps: int, gen) -> SuiteModel:
                       f"{cfg.num_hidden_layers}L {cfg.hidden_size}, {batch}×{seq}")
 
 
-def t5(tiny: bool, device, steps: int, gen) -> SuiteModel:
+def t5(size: str, device, steps: int, gen) -> SuiteModel:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    if tiny:
+    if size == "tiny":
         cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                        dropout_rate=0.0, decoder_start_token_id=0)
         batch, seq, tgt = 2, 32, 16
+    elif size == "mid":
+        cfg = T5Config(vocab_size=32128, d_model=256, d_kv=32, d_ff=1024, num_layers=2, num_heads=8,
+                       dropout_rate=0.0, decoder_start_token_id=0)
+        batch, seq, tgt = 4, 128, 32
     else:  # t5-small
         cfg = T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
                        dropout_rate=0.0, decoder_start_token_id=0)
@@ -227,10 +243,12 @@ def _images(batch: int, image: int, classes: int, steps: int, device, gen) -> li
              torch.randint(0, classes, (batch,), generator=gen).to(device)) for _ in range(steps)]
 
 
-def resnet50(tiny: bool, device, steps: int, gen) -> SuiteModel:
-    timm = None if tiny else _timm()
-    if tiny:
+def resnet50(size: str, device, steps: int, gen) -> SuiteModel:
+    timm = None if size != "full" else _timm()
+    if size == "tiny":
         net, source, batch, image, classes = ResNet((1, 1, 1, 1), 8, 10), "stand-in", 4, 32, 10
+    elif size == "mid":
+        net, source, batch, image, classes = ResNet((1, 1, 1, 1), 16, 1000), "stand-in", 8, 64, 1000
     elif timm is not None:
         net, source, batch, image, classes = timm.create_model("resnet50", num_classes=1000), "timm", 64, 224, 1000
     else:
@@ -239,10 +257,12 @@ def resnet50(tiny: bool, device, steps: int, gen) -> SuiteModel:
                       f"{batch}×3×{image}²")
 
 
-def vit(tiny: bool, device, steps: int, gen) -> SuiteModel:
-    timm = None if tiny else _timm()
-    if tiny:
+def vit(size: str, device, steps: int, gen) -> SuiteModel:
+    timm = None if size != "full" else _timm()
+    if size == "tiny":
         net, source, batch, image, classes = ViT(32, 8, 32, 2, 2, 10), "stand-in", 4, 32, 10
+    elif size == "mid":
+        net, source, batch, image, classes = ViT(64, 8, 128, 2, 4, 1000), "stand-in", 8, 64, 1000
     elif timm is not None:
         net = timm.create_model("vit_base_patch16_224", num_classes=1000, drop_rate=0.0)
         source, batch, image, classes = "timm", 64, 224, 1000
@@ -254,12 +274,12 @@ def vit(tiny: bool, device, steps: int, gen) -> SuiteModel:
 
 MODELS: dict[str, Callable[..., SuiteModel]] = {
     "gpt2": gpt2,
-    "gpt2_6l": lambda tiny, device, steps, gen: gpt2(tiny, device, steps, gen, layers=6, name="gpt2_6l"),
+    "gpt2_6l": lambda size, device, steps, gen: gpt2(size, device, steps, gen, layers=6, name="gpt2_6l"),
     "bert": bert,
     "llama": llama,
     "t5": t5,
     "resnet50": resnet50,
     "vit": vit,
-    "gpt2_small_ro": lambda tiny, device, steps, gen: gpt2(tiny, device, steps, gen, layers=2, dim=256, batch=4,
+    "gpt2_small_ro": lambda size, device, steps, gen: gpt2(size, device, steps, gen, layers=2, dim=256, batch=4,
                                                            seq=128, name="gpt2_small_ro", mode="reduce-overhead"),
 }

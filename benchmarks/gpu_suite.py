@@ -32,6 +32,10 @@ GPU (one or two runs of < 8 minutes on an H100/H200; `--deadline` skips models p
 CPU dry run (tiny configs, stand-in models; what tests/test_gpu_suite.py runs):
 
     python benchmarks/gpu_suite.py --tiny --device cpu --steps 2 --compilers eager
+
+CPU memory comparison (`--mid`: small layers, the real vocabularies; ~10 minutes on 2 cores):
+
+    python benchmarks/gpu_suite.py --mid --device cpu --steps 5
 """
 
 from __future__ import annotations
@@ -258,10 +262,15 @@ class _SumLoss(torch.nn.Module):
         return self.mod(x).float().sum()
 
 
+def _size(args) -> str:
+    """The model sizes asked for: gpu_models' "full", "mid" or "tiny"."""
+    return "tiny" if args.tiny else "mid" if args.mid else "full"
+
+
 def run_model(name: str, index: int, args, device: torch.device, dtype, log: Callable[[str], None]) -> Row:
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    sm = MODELS[name](args.tiny, device, max(args.loss_steps, 1), gen)
+    sm = MODELS[name](_size(args), device, max(args.loss_steps, 1), gen)
     row = Row(name, sm.source, sm.shape, sm.mode)
     pristine = sm.module.to(device).train()
     backends = BACKENDS[args.compilers]
@@ -371,7 +380,7 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _size(x: int | None) -> str:
+def _mib_cell(x: int | None) -> str:
     """MiB: whole on a GPU's model sizes, to 0.01 on the CPU dry run's tiny ones."""
     mib = _mib(x)
     return _f(mib, ".0f" if mib is None or mib >= 100 else ".2f")
@@ -395,7 +404,7 @@ def report(rows: list[Row], device: torch.device) -> str:
             notes.append("first: " + " then ".join(r.first_order))
         lines.append([r.model, r.source, r.shape, "PASS" if r.passed() else "FAIL",
                       _f(r.ratio("step"), ".2f"), _f(a.median_ms(), ".1f"), _f(b.median_ms(), ".1f"),
-                      _f(r.ratio("peak"), ".2f"), _size(a.peak_bytes), _size(b.peak_bytes),
+                      _f(r.ratio("peak"), ".2f"), _mib_cell(a.peak_bytes), _mib_cell(b.peak_bytes),
                       _f(r.ratio("first"), ".2f"), _f(a.first_step_s, ".1f"), _f(b.first_step_s, ".1f"),
                       _f(r.loss_diff("aotgrad"), ".2e"), _f(r.loss_diff("inductor"), ".2e"), "; ".join(notes)])
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(headers)]
@@ -433,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                    "; ".join(f"{k}: {v}" for k, v in GROUPS.items()))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="autocast dtype")
-    p.add_argument("--tiny", action="store_true", help="tiny configs and stand-in models (the CPU dry run)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="tiny configs and stand-in models (the CPU dry run)")
+    size.add_argument("--mid", action="store_true", help="CPU-sized layers with the real vocabularies and class "
+                      "counts, stand-in vision models: activation peaks a CPU can compare")
     p.add_argument("--compilers", default="inductor", choices=sorted(BACKENDS))
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
@@ -476,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"GPU training suite — {environment(device)}, autocast {args.dtype}, "
-          f"compilers {args.compilers}{', tiny' if args.tiny else ''}, {args.steps} timed steps")
+          f"compilers {args.compilers}{'' if _size(args) == 'full' else ', ' + _size(args)}, {args.steps} timed steps")
     print(report(rows, device))
     if args.json:
         with open(args.json, "w") as f:

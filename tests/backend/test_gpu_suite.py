@@ -37,7 +37,7 @@ def test_every_model_builds_tiny_and_runs_eagerly():
     pytest.importorskip("transformers")
     gen = torch.Generator().manual_seed(0)
     for name, make in gpu_models.MODELS.items():
-        sm = make(True, torch.device("cpu"), 1, gen)
+        sm = make("tiny", torch.device("cpu"), 1, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = sm.module(*sm.batches[0])
         loss.backward()
