@@ -376,6 +376,46 @@ def optimizer_step():
     assert all(float(s) == 3 and s.device == w.device for s, w in zip(steps, want_steps)), (steps, want_steps)
 
 
+@check
+def donated_buffers():
+    """The Inductor backward writes the logits gradient over the saved logits (inductor/donation.py):
+    gradients equal eager's through three backwards of one graph (retain_graph=True keeps the saved
+    values, which the backward must then leave alone), and on CUDA the peak is at most Inductor's."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(4096, 64), nn.Linear(64, 4096)
+
+        def forward(self, tokens):
+            return nn.functional.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), tokens.flatten())
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 4096, (8, 128), device=DEV)
+    base = Head().to(DEV)
+    grads, peaks = {}, {}
+    for backend in ("eager", "aotgrad", "inductor"):
+        torch._dynamo.reset()
+        model = Head().to(DEV)
+        model.load_state_dict(base.state_dict())
+        call = model if backend == "eager" else torch.compile(model, backend=backend)
+        loss = call(tokens)
+        loss.backward(retain_graph=True)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads[backend] = [p.grad.clone() for p in model.parameters()]
+        if DEV == "cuda" and backend != "eager":
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            call(tokens).backward()
+            torch.cuda.synchronize()
+            peaks[backend] = torch.cuda.max_memory_allocated() - before
+    close(grads["aotgrad"], grads["eager"], "grads after three backwards", atol=1e-5, rtol=1e-4)
+    if peaks:
+        assert peaks["aotgrad"] <= peaks["inductor"] * 1.02, peaks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("-k", default="", help="run only checks whose name contains this")
