@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -199,6 +200,8 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
 
     bw = _Source()
     cfw = bw.bind("compiled", compiled)
+    bw.emit("if type(grads[0]) is list:")  # boxed (`_BoxedGrads`): one list of gradients
+    bw.emit("grads = grads[0]", indent=2)
     parts = ["*ctx.saved_tensors"] if n_t else []
     if n_o:
         parts.append("*ctx.saved_other")
@@ -234,6 +237,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     run_bw = f"({cfw}.traceable_backward(args) if _is_compiling() else {run_bw})"
     if none_aware:
         bw.emit(f"nones = {_tuple_src([f't{j} is None' for j in range(len(diff))])}")
+        bw.emit("del " + ", ".join(f"t{j}" for j in range(len(diff))))
         run_bw = (f"({cfw}.backward_with_none_tangents(nones, args) if True in nones and not _is_compiling() "
                   f"and not _any_autocast() else {run_bw})")
     # outermost: a subclass gradient beside missing ones still runs op by op (zeros in their place)
@@ -244,6 +248,11 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     if n_t:
         bw.emit("if not _is_compiling():")
         bw.emit("ctx.maybe_clear_saved_tensors()", indent=2)
+    # Boxed (`_BoxedGrads`): the engine's list was the gradients' other holder; emptied, `args`
+    # holds them alone and the graph frees each after its last use (a language model's logits
+    # gradient, a whole logits buffer, no longer lives through the backward).
+    bw.emit("if type(grads) is list:")
+    bw.emit("grads.clear()", indent=2)
     if higher is not None:  # a first-order backward that frees the graph frees the inputs too
         # (not while Dynamo traces this backward for compiled autograd: the call would break its graph)
         bw.emit(f"if not _is_compiling() and not {bw.bind('keep_graph', torch._C._autograd._get_current_graph_task_keep_graph)}():")
@@ -251,7 +260,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     if unreached:
         bw.emit(f"grads_in = list({run_bw})")
         for tangents, primals in unreached.items():
-            cond = " and ".join(f"t{j} is None" for j in tangents) or "True"
+            cond = " and ".join(f"nones[{j}]" for j in tangents) or "True"
             bw.emit(f"if {cond}:")
             for k in primals:
                 bw.emit(f"grads_in[{k}] = None", indent=2)
@@ -264,7 +273,7 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
         tangent_meta = [(v.dtype, v.device) for v in _traced_tangents(compiled, len(diff))]
         differentiable = higher.bind(diff, unreached, tangent_meta)
 
-    function = type(
+    function = _BoxedGrads(
         "CompiledFunction",
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(_guarded_backward(backward, differentiable))},
@@ -272,6 +281,23 @@ def make_autograd_function(plan: Plan, compiled: CompiledForward) -> type:
     if static_shapes is not None:
         function._backward_cls.tangent_shapes = static_shapes
     return function
+
+
+class _BoxedGrads(type(torch.autograd.Function)):
+    """The autograd.Function metaclass, with `boxed_grads_call` on where torch has it (2.13+): the
+    engine hands the backward its gradients as one list it keeps no other reference to, so the
+    backward can let go of them (upstream's compiled functions do the same). Off while compiled
+    autograd is on: it calls backwards with the gradients unboxed and refuses boxed ones."""
+
+    @property
+    def boxed_grads_call(cls) -> bool:
+        if not _ENGINE_BOXES:
+            return False
+        compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+        return not (compiled_autograd is not None and compiled_autograd.compiled_autograd_enabled)
+
+
+_ENGINE_BOXES = hasattr(torch.autograd.function.BackwardCFunction, "apply_boxed")
 
 
 def _traced_tangents(compiled: CompiledForward, n: int) -> list:
@@ -338,6 +364,8 @@ def _guarded_backward(backward: Callable, differentiable: Callable | None) -> Ca
     def wrapper(ctx, *grads):
         run = backward
         if torch.is_grad_enabled():
+            if len(grads) == 1 and type(grads[0]) is list:  # boxed: the differentiable backward takes them unboxed
+                grads = tuple(grads[0])
             if differentiable is None:
                 raise AotgradError(
                     "aotgrad: backward with create_graph=True (double backward) through an aotgrad-compiled "
