@@ -594,6 +594,21 @@ def test_selective_checkpoint_tags_are_honoured():
     assert g.info.recomputed_matmuls == 1
 
 
+def test_selective_checkpoint_tags_do_not_outlive_the_trace():
+    """torch's selective-checkpoint mode writes its tags into torch.fx.traceback's global
+    `current_meta` while the program is traced. Left there, every node of a later trace carried
+    them and upstream Inductor's partitioner failed on the next `torch.compile(backend="inductor")`
+    in the process (TypeError comparing ac_graph_ids)."""
+    import torch.fx.traceback as fx_traceback
+
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    before = dict(fx_traceback.current_meta)
+    compile_and_run(_sac(recompute_all), min_cut_rematerialization_partition, *leaf_inputs((4, 4), (4, 4), (4, 4))()[0])
+    assert dict(fx_traceback.current_meta) == before
+
+
 def _checkpointed_attention(dropout_p):
     def recompute_all(ctx, op, *args, **kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from ..dynamic.shapes import export_context
 from ..errors import UnsupportedInputError, UnsupportedMutationError
 from ..signature.inputs import alias_key, check_supported
+from ..trace.capture import restoring_node_meta
 
 
 def export(fn: Callable, leaves: list, in_spec, names: list[str], kinds: list[str],
@@ -49,7 +50,7 @@ def export(fn: Callable, leaves: list, in_spec, names: list[str], kinds: list[st
     found: dict[str, Any] = {}
     traced = _functional_program(fn, in_spec, names, kinds, found)
     mode = fakes[0].fake_mode if fakes and isinstance(fakes[0], FakeTensor) else None
-    with export_context(fakes), mode if mode is not None else _null():
+    with export_context(fakes), mode if mode is not None else _null(), restoring_node_meta():
         gm = make_fx(traced, decomposition_table=decompositions or {}, pre_dispatch=True,
                      record_stack_traces=True)(*fakes)
     return gm, _signature(gm, leaves, names, kinds, in_spec, found)

@@ -21,7 +21,7 @@ trace/outputs.py, the traced backward in trace/backward.py, and what they share 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -162,8 +162,28 @@ def _no_nan_checks():
     return torch.autograd.set_detect_anomaly(True, check_nan=False)
 
 
+@contextlib.contextmanager
+def restoring_node_meta() -> Iterator[None]:
+    """Put `torch.fx.traceback.current_meta` back as it was. torch's selective-checkpoint mode writes
+    its tags there while a program is traced (upstream traces inside `preserve_node_meta`, which
+    restores it): left behind, every node a later trace makes (Dynamo's, upstream Inductor's
+    partitioner's) carried a checkpoint tag, and that partitioner failed on it."""
+    import torch.fx.traceback as fx_traceback
+
+    saved = fx_traceback.current_meta.copy()
+    try:
+        yield
+    finally:
+        fx_traceback.current_meta = saved
+
+
 def _record(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
     """Run `traced` recording aten calls: with the lean recorder (trace/tracer.py) when it can, else make_fx."""
+    with restoring_node_meta():
+        return _record_once(traced, fake_primals, decompositions, fake_mode)
+
+
+def _record_once(traced: Callable, fake_primals: list, decompositions: dict, fake_mode) -> torch.fx.GraphModule:
     recorder = LeanTracer(list(fake_primals), decompositions)
     try:
         with fake_mode, recorder:
