@@ -29,19 +29,19 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.fx
 
+from ..trace.analysis import storage_id
+
 log = logging.getLogger("aotgrad.inductor.donation")
 
 # Meta key on a forward graph: the backward placeholders (saved tensors) the forward made fresh.
 FRESH_SAVED = "aotgrad_fresh_saved"
 
 
-def _storage(value) -> object | None:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    if not isinstance(value, torch.Tensor) or value.is_sparse or value.layout != torch.strided:
+def _storage(value) -> int | None:
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         return None
     try:
-        return StorageWeakRef(value.untyped_storage())
+        return storage_id(value)
     except (NotImplementedError, RuntimeError):  # a subclass or functional wrapper without storage
         return None
 
