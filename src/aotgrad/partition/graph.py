@@ -32,6 +32,9 @@ from .ops import (
 from .policies import Policy, _decision
 
 _SCALE = 1 << 22  # bytes are worth more than any sum of tie-breaks
+# A cheap forward value at most this fraction of the graph's largest value is saved, not recomputed:
+# see `_Joint._negligible`.
+NEGLIGIBLE_FRACTION = 1 / 1024
 _SOURCE, _SINK = "source", "sink"
 
 
@@ -108,6 +111,7 @@ class _Joint:
 
         pinned, items, unsaveable = set(), [], set()
         kept_for_matmul = self._normalised_matmul_operands()
+        negligible = self._negligible()
         for n in self.region:
             cls, d = self.cls[n], decisions.get(n)
             if cls == "view" or n.op == "get_attr":
@@ -122,6 +126,8 @@ class _Joint:
                 cls in _EXPENSIVE and d not in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
             ):
                 items.append(n)
+            elif d is None and n in negligible:
+                pinned.add(n)
             elif d is None and n in kept_for_matmul:
                 items.append(n)
             if d == CheckpointPolicy.MUST_RECOMPUTE and cls != "input":
@@ -137,6 +143,22 @@ class _Joint:
 
         self.items = sorted(items, key=ratio)
         self.item_set = set(items)
+
+    def _negligible(self) -> set[Node]:
+        """Cheap values the forward computes anyway whose bytes are negligible beside the graph's
+        largest value (a shifted label row, a row of log-sum-exps, a mask): recomputing one in the
+        backward frees next to nothing, but it adds operations to the backward's fused kernels. A
+        fused kernel past Inductor's size limit (`realize_opcount_threshold`) writes its
+        intermediate to memory: on a language model's loss that is a float32 copy of the logits'
+        gradient, which also keeps Inductor from writing the gradient over the donated logits
+        (Llama-shaped, vocabulary 32,000, torch 2.11: activation peak 1.15x upstream's). Upstream's
+        min-cut saves these values too."""
+        largest = max(self.bytes.values(), default=0)
+        return {
+            n for n in self.region
+            if self.cls[n] in ("pointwise", "cheap") and n in self.fw_needed
+            and self.bytes[n] <= NEGLIGIBLE_FRACTION * largest
+        }
 
     def _normalised_matmul_operands(self) -> set[Node]:
         """Cheap values a backward matmul reads (directly or through views) that are computed from

@@ -44,6 +44,10 @@ Op classes
   writes them anyway; recomputing one costs the backward a kernel Inductor can fuse with neither
   the matmul nor the normalisation's backward (upstream never recomputes any value a backward
   matmul reads; for a GELU output that measured slower here, so the rule stays this narrow);
+- saved, never recomputed: cheap values the forward computes anyway whose bytes are at most
+  `NEGLIGIBLE_FRACTION` (1/1024) of the graph's largest value (a shifted label row, a log-sum-exp
+  row). Recomputing one frees nothing measurable, but it grows the backward's fused kernels; past
+  Inductor's `realize_opcount_threshold` a loss kernel writes its float32 intermediate to memory;
 - never recomputed: graph inputs, random ops (`nondeterministic_seeded`: bernoulli, native_dropout,
   rand*, randn*, ...), ops with data-dependent output shapes, unknown callables.
 
