@@ -53,8 +53,26 @@ def backward_phase(graph: torch.fx.Graph | None = None):
                 node = node.next
 
 
+# Meta key on the nodes of a program's own `as_strided_scatter` call (higher_order/scatters.py).
+EXPLICIT_SCATTER = "aotgrad_explicit_as_strided_scatter"
+
+
+@contextlib.contextmanager
+def explicit_scatter():
+    """Nodes recorded inside come from the program calling `as_strided_scatter` itself, not from
+    functionalization writing back through an `as_strided` view."""
+    old = getattr(_state, "explicit_scatter", False)
+    _state.explicit_scatter = True
+    try:
+        yield
+    finally:
+        _state.explicit_scatter = old
+
+
 def annotate(node: torch.fx.Node) -> None:
     """Record where `node`'s op comes from (called by the recorder right after it makes the node)."""
+    if getattr(_state, "explicit_scatter", False):
+        node.meta[EXPLICIT_SCATTER] = True
     if getattr(_state, "backward", False):
         node.meta["autograd_backward"] = True
         current = torch._C._current_autograd_node()

@@ -1570,3 +1570,27 @@ def test_write_into_a_no_grad_view_of_a_marked_view_input_is_refused_not_a_torch
     for a0 in (torch.randn(3).view(3), torch.randn(3)):
         with pytest.raises(UnsupportedMutationError, match="into a view it took under no_grad"):
             aot_function(f, nop)(a0, torch.randn(3, requires_grad=True))
+
+
+def test_no_grad_view_read_after_a_no_grad_write_is_refused_not_a_torch_error():
+    """Seed 29 program 566: input 0 is a view of a tensor the caller did not pass; a view of it taken
+    under no_grad, the input written in place under no_grad, then marked with requires_grad_(), the
+    view read with grad mode on. Eager runs it (the views belong to the unpassed base); the
+    functional trace brings the write into the view at that read, with grad mode on, and raised
+    torch's "A view was created in no_grad mode and its base ... modified inplace with grad mode
+    enabled". Now refused by name."""
+
+    def f(a0):
+        v0 = a0.diagonal(0, 0, 1)
+        with torch.no_grad():
+            v2 = v0.expand((2,))
+            a0.clamp_(-0.5, 1)
+        a0.requires_grad_()
+        return a0 * 1, v2.clone()
+
+    def view_input():
+        return torch.randn(2, 3)[:, 1:2]
+
+    f(view_input())  # eager runs it
+    with pytest.raises(UnsupportedMutationError, match="reads, with grad mode on, a view it took under no_grad"):
+        aot_function(f, nop)(view_input())

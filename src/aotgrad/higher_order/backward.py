@@ -46,6 +46,7 @@ from ..errors import AotgradError, HigherOrderError
 from ..partition.default import flows_from
 from ..trace.higher_order_marks import _NO_DERIVATIVE, SAVED_UNPACK
 from ..trace.tracer import NO_GRAD
+from .scatters import differentiable_scatters
 
 log = logging.getLogger("aotgrad.higher_order")
 
@@ -104,7 +105,7 @@ class HigherOrder:
 
     def compiled_backward(self) -> Callable:
         if self._backward is None:
-            gm = _undetach(pristine_copy(self.bw_graph))
+            gm = differentiable_scatters(_undetach(pristine_copy(self.bw_graph)))
             _refuse_no_grad_values(gm, gm.graph.find_nodes(op="placeholder"))
             self._backward = _compile_graph(self, gm)
         return self._backward
@@ -310,7 +311,7 @@ def _call_differentiably(fn: Callable, *args):
 def _build_recompute(h: HigherOrder, positions: tuple[int, ...]) -> _Recompute:
     """The forward graph cut down to the saved tensors at `positions`; the other saved tensors
     become inputs (their values are known; those with history carry it in)."""
-    gm = _undetach(pristine_copy(h.fw_graph))
+    gm = differentiable_scatters(_undetach(pristine_copy(h.fw_graph)))
     graph = gm.graph
     placeholders = graph.find_nodes(op="placeholder")
     saved = list(graph.output_node().args[0])[h.num_fw_outputs : h.num_fw_outputs + h.num_saved_tensors]

@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import (
 )
 from torch.utils import _pytree as pytree
 
+from .. import node_meta
 from ..errors import UnsupportedAliasingError, UnsupportedMutationError
 from . import analysis, rnn, storage_ops
 
@@ -361,6 +362,12 @@ class TraceHooks(torch.overrides.TorchFunctionMode):
         self.requires_grad_called = False  # the program called requires_grad_() (capture checks inputs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _AS_STRIDED_SCATTER:  # the program's own call: its derivative is torch's formula
+            with node_meta.explicit_scatter():
+                return self._torch_function(func, args, kwargs)
+        return self._torch_function(func, args, kwargs)
+
+    def _torch_function(self, func, args, kwargs):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.requires_grad_:
             self.requires_grad_called = True

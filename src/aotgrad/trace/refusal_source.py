@@ -78,6 +78,15 @@ _TRANSLATED: tuple[tuple[tuple[str, ...], type[AotgradError], str], ...] = (
      "tensor that requires grad. Eager forbids this, unless that tensor is a view of one that does not "
      "require grad (eager's autograd then does not see the write); aotgrad cannot trace either. Take the "
      "view outside the no_grad block, or make the write under no_grad too."),
+    # fuzz seed 29 program 566: eager allows it (the write and the view are both under no_grad), but
+    # the functional trace applies the write to the view only when the view is next read, by then
+    # with grad mode on, which autograd forbids for a view taken under no_grad.
+    (("view was created in no_grad mode and its base or another view of its base has been modified "
+      "inplace with grad mode enabled",), UnsupportedMutationError,
+     "aotgrad: the program reads, with grad mode on, a view it took under no_grad, after writing in place "
+     "into that view's base (or another view of it) under no_grad. Eager allows this; aotgrad's functional "
+     "trace brings the write into the view when the view is next read, with grad mode on, which autograd "
+     "forbids. Take the view outside the no_grad block, or clone it under no_grad before reading it."),
 )
 
 
