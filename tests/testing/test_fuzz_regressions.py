@@ -6,6 +6,8 @@ with `check_against_eager`, or, where aotgrad cannot be faithful, checked to be 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -1594,3 +1596,41 @@ def test_no_grad_view_read_after_a_no_grad_write_is_refused_not_a_torch_error():
     f(view_input())  # eager runs it
     with pytest.raises(UnsupportedMutationError, match="reads, with grad mode on, a view it took under no_grad"):
         aot_function(f, nop)(view_input())
+
+
+_UNBIND_THEN_TRANSPOSE = """
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+from aotgrad import aot_function, nop
+from aotgrad.testing import check_against_eager
+
+def f(a0, a1):
+    v0 = a1.unbind(0)[2]
+    a1.transpose_(1, 0)
+    return (v0, a1 * 2)
+
+def make_inputs():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn((3, 2), generator=g)
+    c = TwoTensor(r.clone(), r * 2)
+    return (r,), (c, c)
+
+compiled = aot_function(f, nop, keep_inference_input_mutations=True)
+for _ in range(2):
+    check_against_eager(f, make_inputs, compiled=compiled)
+print("matches eager")
+"""
+
+
+def test_view_from_unbind_of_a_subclass_input_restrided_afterwards_does_not_crash():
+    """Seed 29 subclass program 708: `unbind(0)[2]` of a (3, 2) TwoTensor input, then the input's
+    `transpose_`, the view returned. Rebuilding the view replayed its view function on the base as
+    it is after the transpose, (2, 3), where unbind has no output 2: libtorch read out of bounds and
+    the process died (SIGSEGV). Run in a child process, so that a crash fails this test alone."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _UNBIND_THEN_TRANSPOSE], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "AOTGRAD_CACHE": "0"})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "matches eager" in done.stdout

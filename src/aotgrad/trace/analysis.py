@@ -178,11 +178,16 @@ def _record_chain(out: torch.Tensor, base_probe: torch.Tensor) -> tuple[tuple[Vi
 
 
 def may_replay(view: torch.Tensor, base: torch.Tensor) -> bool:
-    """Whether `view`'s recorded view function may be replayed on a tensor of `base`'s rank. Two kinds
-    have crashed libtorch (segfault): view ops recorded for a base of another rank, and a multi-output
+    """Whether `view`'s recorded view function may be replayed on a tensor of `base`'s rank. Three kinds
+    have crashed libtorch (segfault): view ops recorded for a base of another rank, a multi-output
     view op (unbind, split...) taken from a view restrided in place, whose replay picks an output the
-    replayed layout may not have. `trace_modes` marks both on the views it sees made."""
+    replayed layout may not have; or one whose base was restrided in place after it (fuzz seed 29,
+    subclass program 708: `unbind(0)[2]` of a (3, 2) base, then `transpose_`, replayed on the (2, 3)
+    base). `trace_modes` marks them on the views it sees made."""
     if getattr(view, "_aotgrad_base_dim", base.dim()) != base.dim():
+        return False
+    root_shape = getattr(view, "_aotgrad_multi_output_root_shape", None)
+    if root_shape is not None and root_shape != tuple(base.shape):
         return False
     return not getattr(view, "_aotgrad_split_after_restride", False)
 

@@ -272,6 +272,7 @@ _INHERITED_MARKS = (
     "_aotgrad_member_leaf",
     "_aotgrad_absolute_view_of",
     "_aotgrad_split_after_restride",
+    "_aotgrad_multi_output_root_shape",
     "_aotgrad_dtype_view_at",
 )
 _DTYPE_VIEWS = (torch.ops.aten.view_as_real.default, torch.ops.aten.view_as_complex.default, torch.ops.aten.view.dtype)
@@ -300,6 +301,9 @@ def _note_views(func, src: torch.Tensor, out, epoch: int) -> None:
                 setattr(t, mark, getattr(src, mark))
         if isinstance(out, (list, tuple)) and hasattr(src, "_aotgrad_restrided_view"):
             t._aotgrad_split_after_restride = True
+        if isinstance(out, (list, tuple)) and not hasattr(t, "_aotgrad_multi_output_root_shape"):
+            root = t._base if t._base is not None else src
+            t._aotgrad_multi_output_root_shape = tuple(root.shape)
         if func in _DTYPE_VIEWS and not hasattr(src, "_aotgrad_dtype_view_at"):
             t._aotgrad_dtype_view_at = epoch
 
