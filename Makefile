@@ -7,7 +7,7 @@ N ?= 2000
 SEED ?= 0
 ORDER ?= 1
 
-.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu lint fuzz explain-demo clean
+.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu pretend-gpu bench-pretend-gpu lint fuzz explain-demo clean
 
 install: $(VENV)/.installed browser
 
@@ -55,6 +55,36 @@ GPU_OUT ?= .
 bench-gpu:
 	for g in $(GPU_GROUPS); do PYTHONPATH=src $(GPU_PY) benchmarks/gpu_suite.py --group $$g --deadline 330 \
 		--json $(GPU_OUT)/gpu_suite_$$g.json || true; done
+
+# The pretend GPU (scripts/pretend_gpu/README.md): the GPU machine's torch 2.11 CUDA build on this CPU, one
+# pretend H100 whose kernels compute nothing. Real: dispatch, autocast, Inductor's CUDA code and Triton
+# compiles, the caching allocator's peaks. Not real: values, step times. ~5 GB venv, downloads CUDA wheels.
+CUDA_VENV ?= .venv-cuda
+PRETEND_LIB := .pretend-gpu
+CUDA_INCLUDE ?= /usr/local/cuda/include  # CUDA 13 headers (this machine image ships them with nvcc)
+pretend-gpu: $(PRETEND_LIB)/libcuda.so.1 $(PRETEND_LIB)/libcudart-pretend.so
+
+$(CUDA_VENV)/.installed:
+	$(PY) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q --upgrade pip
+	$(CUDA_VENV)/bin/pip install -q torch==2.11.0 transformers==5.17.0 networkx
+	touch $@
+
+$(PRETEND_LIB)/libcudart-pretend.so: scripts/pretend_gpu/cudart.c $(CUDA_VENV)/.installed
+	mkdir -p $(PRETEND_LIB)
+	cc -shared -fPIC -O1 -I$(CUDA_INCLUDE) -o $@ $< -lpthread
+
+$(PRETEND_LIB)/libcuda.so.1: scripts/pretend_gpu/libcuda.c
+	mkdir -p $(PRETEND_LIB)
+	cc -shared -fPIC -O1 -o $@ $<
+	ln -sf libcuda.so.1 $(PRETEND_LIB)/libcuda.so
+
+# The GPU suite's full-size models on the pretend H100: pass/fail and activation peaks (no step times).
+# One model at a time takes 3-10 min on 2 cores (Triton compiles); PRETEND_MODELS picks them.
+PRETEND_MODELS ?= gpt2,bert,llama,t5,resnet50,vit,gpt2_small_ro
+bench-pretend-gpu: pretend-gpu
+	scripts/pretend_gpu/run $(CUDA_VENV)/bin/python benchmarks/gpu_suite.py --device cuda --models $(PRETEND_MODELS) \
+		--json $(GPU_OUT)/pretend_gpu_suite.json
 
 fuzz: install
 	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER) $(if $(SUBCLASS),--subclass)

@@ -1,0 +1,131 @@
+// The CUDA runtime calls torch's CUDA build makes, answered for one pretend H100 (sm_90) on a machine
+// with no GPU (LD_PRELOADed by ./run). Device memory is address space nobody writes, kernels launch
+// into nothing, host<->device copies are real. See README.md.
+#include <cuda_runtime_api.h>
+#include <string.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <pthread.h>
+cudaError_t cudaGetDeviceCount(int* c){*c=1;return cudaSuccess;}
+cudaError_t cudaGetDevice(int* d){*d=0;return cudaSuccess;}
+cudaError_t cudaSetDevice(int d){return cudaSuccess;}
+cudaError_t cudaGetLastError(void){return cudaSuccess;}
+cudaError_t cudaPeekAtLastError(void){return cudaSuccess;}
+cudaError_t cudaDeviceGetStreamPriorityRange(int* lo,int* hi){*lo=0;*hi=-5;return cudaSuccess;}
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned f, int p){static long k=16; *s=(cudaStream_t)(k++); return cudaSuccess;}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned f){*e=(cudaEvent_t)malloc(64);return cudaSuccess;}
+cudaError_t cudaEventCreate(cudaEvent_t* e){*e=(cudaEvent_t)malloc(64);return cudaSuccess;}
+cudaError_t cudaEventDestroy(cudaEvent_t e){return cudaSuccess;}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned f){return cudaSuccess;}
+cudaError_t cudaEventQuery(cudaEvent_t e){return cudaSuccess;}
+cudaError_t cudaEventSynchronize(cudaEvent_t e){return cudaSuccess;}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned f){return cudaSuccess;}
+cudaError_t cudaStreamQuery(cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaStreamSynchronize(cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaDeviceSynchronize(void){return cudaSuccess;}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus* st){*st=cudaStreamCaptureStatusNone;return cudaSuccess;}
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode* m){return cudaSuccess;}
+cudaError_t cudaDriverGetVersion(int* v){*v=13000;return cudaSuccess;}
+cudaError_t cudaRuntimeGetVersion(int* v){*v=13000;return cudaSuccess;}
+cudaError_t cudaMemGetInfo(size_t* f, size_t* t){*t=80ull<<30;*f=*t;return cudaSuccess;}
+cudaError_t cudaDeviceCanAccessPeer(int* c, int a, int b){*c=0;return cudaSuccess;}
+cudaError_t cudaDeviceGetPCIBusId(char* s, int n, int d){snprintf(s,n,"0000:00:00.0");return cudaSuccess;}
+const char* cudaGetErrorString(cudaError_t e){return "a CUDA runtime call the pretend GPU does not answer (add it to scripts/pretend_gpu/cudart.c)";}
+const char* cudaGetErrorName(cudaError_t e){return "cudaErrorPretendGpu";}
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp* p, int d){
+  memset(p,0,sizeof(*p));
+  strcpy(p->name,"NVIDIA H100 80GB HBM3 (pretend)");
+  p->major=9; p->minor=0; p->multiProcessorCount=132; p->totalGlobalMem=80ull<<30;
+  p->sharedMemPerBlock=49152; p->sharedMemPerBlockOptin=232448; p->sharedMemPerMultiprocessor=233472;
+  p->regsPerBlock=65536; p->regsPerMultiprocessor=65536; p->warpSize=32; p->maxThreadsPerBlock=1024;
+  p->maxThreadsPerMultiProcessor=2048; p->maxThreadsDim[0]=1024; p->maxThreadsDim[1]=1024; p->maxThreadsDim[2]=64;
+  p->maxGridSize[0]=2147483647; p->maxGridSize[1]=65535; p->maxGridSize[2]=65535; p->l2CacheSize=50<<20;
+  p->memoryBusWidth=5120; p->totalConstMem=65536; p->integrated=0; p->concurrentKernels=1;
+  p->asyncEngineCount=3; p->unifiedAddressing=1; p->managedMemory=1; p->pciBusID=0;
+  return cudaSuccess;}
+cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr a, int d){
+  switch((int)a){
+    case 1: *v=1024; break;   // max threads per block
+    case 2: *v=1024; break; case 3: *v=1024; break; case 4: *v=64; break;
+    case 5: *v=2147483647; break; case 6: *v=65535; break; case 7: *v=65535; break;
+    case 8: *v=49152; break;  // shared memory per block
+    case 9: *v=65536; break;  // constant memory
+    case 10: *v=32; break;    // warp size
+    case 12: *v=65536; break; // registers per block
+    case 13: *v=1980000; break; // clock kHz
+    case 16: *v=132; break;   // SMs
+    case 36: *v=2619000; break; case 37: *v=5120; break; case 38: *v=50<<20; break;
+    case 39: *v=2048; break;  // threads per SM
+    case 75: *v=9; break; case 76: *v=0; break;
+    case 81: *v=233472; break; case 82: *v=65536; break;
+    case 97: *v=232448; break; // opt-in shared memory per block
+    case 106: *v=32; break;   // max blocks per SM
+    default: *v=0;}
+  return cudaSuccess;}
+// driver API (libcuda), looked up by torch's lazy loader
+int cuInit(unsigned f){return 0;}
+int cuDevicePrimaryCtxGetState(int dev, unsigned* flags, int* active){*flags=0;*active=0;return 0;}
+int cuCtxGetCurrent(void** c){*c=0;return 0;}
+int cuDriverGetVersion(int* v){*v=13000;return 0;}
+
+// Device memory: address space only (MAP_NORESERVE), never touched by a kernel, so a model's whole
+// activation set can be "allocated" on a CPU machine while the caching allocator counts it.
+#define MAXA 65536
+static void* aptr[MAXA]; static size_t asz[MAXA]; static pthread_mutex_t amu = PTHREAD_MUTEX_INITIALIZER;
+cudaError_t cudaMalloc(void** p, size_t n){
+  if(n==0) n=512;
+  void* q = mmap(NULL, n, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE, -1, 0);
+  if(q==MAP_FAILED){*p=0; return cudaErrorMemoryAllocation;}
+  pthread_mutex_lock(&amu);
+  for(int i=0;i<MAXA;i++) if(!aptr[i]){aptr[i]=q; asz[i]=n; break;}
+  pthread_mutex_unlock(&amu);
+  *p=q; return cudaSuccess;}
+cudaError_t cudaFree(void* p){
+  if(!p) return cudaSuccess;
+  pthread_mutex_lock(&amu);
+  for(int i=0;i<MAXA;i++) if(aptr[i]==p){munmap(p, asz[i]); aptr[i]=0; break;}
+  pthread_mutex_unlock(&amu);
+  return cudaSuccess;}
+cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t s){return cudaMalloc(p,n);}
+cudaError_t cudaFreeAsync(void* p, cudaStream_t s){return cudaFree(p);}
+cudaError_t cudaHostAlloc(void** p, size_t n, unsigned f){*p=malloc(n?n:1);return cudaSuccess;}
+cudaError_t cudaMallocHost(void** p, size_t n){*p=malloc(n?n:1);return cudaSuccess;}
+cudaError_t cudaFreeHost(void* p){free(p);return cudaSuccess;}
+cudaError_t cudaHostRegister(void* p, size_t n, unsigned f){return cudaSuccess;}
+cudaError_t cudaHostUnregister(void* p){return cudaSuccess;}
+cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned f){*d=h;return cudaSuccess;}
+// Host<->device copies are real (inputs and .item() read back what was put in); device-to-device
+// copies do nothing, as kernels do.
+static cudaError_t copy(void* d, const void* s, size_t n, enum cudaMemcpyKind k){
+  if(k!=cudaMemcpyDeviceToDevice) memcpy(d,s,n); return cudaSuccess;}
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, enum cudaMemcpyKind k, cudaStream_t st){return copy(d,s,n,k);}
+cudaError_t cudaMemcpy(void* d, const void* s, size_t n, enum cudaMemcpyKind k){return copy(d,s,n,k);}
+cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, enum cudaMemcpyKind k, cudaStream_t st){return cudaSuccess;}
+cudaError_t cudaMemcpyPeerAsync(void* d, int dd, const void* s, int sd, size_t n, cudaStream_t st){return cudaSuccess;}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaMemset(void* p, int v, size_t n){return cudaSuccess;}
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes* a, const void* p){memset(a,0,sizeof(*a));a->type=cudaMemoryTypeDevice;a->devicePointer=(void*)p;a->hostPointer=(void*)p;return cudaSuccess;}
+// Kernels: launched into nothing.
+cudaError_t cudaLaunchKernel(const void* f, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return cudaSuccess;}
+cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* c, const void* f, void** a){return cudaSuccess;}
+cudaError_t cudaLaunchCooperativeKernel(const void* f, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return cudaSuccess;}
+cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes* a, const void* f){memset(a,0,sizeof(*a));a->maxThreadsPerBlock=1024;a->numRegs=32;a->ptxVersion=90;a->binaryVersion=90;return cudaSuccess;}
+cudaError_t cudaFuncSetAttribute(const void* f, enum cudaFuncAttribute a, int v){return cudaSuccess;}
+cudaError_t cudaFuncSetCacheConfig(const void* f, enum cudaFuncCache c){return cudaSuccess;}
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void* f, int b, size_t s){*n=2;return cudaSuccess;}
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, const void* f, int b, size_t s, unsigned fl){*n=2;return cudaSuccess;}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b){*ms=1.0f;return cudaSuccess;}
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, enum cudaStreamCaptureStatus* st, unsigned long long* id, cudaGraph_t* g, const cudaGraphNode_t** d, const cudaGraphEdgeData** e, size_t* n){if(g)*g=0; if(n)*n=0;*st=cudaStreamCaptureStatusNone; if(id)*id=0; return cudaSuccess;}
+cudaError_t cudaStreamCreate(cudaStream_t* s){return cudaStreamCreateWithPriority(s,0,0);}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned f){return cudaStreamCreateWithPriority(s,f,0);}
+cudaError_t cudaStreamDestroy(cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaStreamGetPriority(cudaStream_t s, int* p){*p=0;return cudaSuccess;}
+cudaError_t cudaStreamGetFlags(cudaStream_t s, unsigned* f){*f=0;return cudaSuccess;}
+cudaError_t cudaDeviceGetLimit(size_t* v, enum cudaLimit l){*v=1024;return cudaSuccess;}
+cudaError_t cudaDeviceSetLimit(enum cudaLimit l, size_t v){return cudaSuccess;}
+cudaError_t cudaDeviceEnablePeerAccess(int d, unsigned f){return cudaSuccess;}
+cudaError_t cudaSetDeviceFlags(unsigned f){return cudaSuccess;}
+cudaError_t cudaGetDeviceFlags(unsigned* f){*f=0;return cudaSuccess;}
+cudaError_t cudaInitDevice(int d, unsigned a, unsigned b){return cudaSuccess;}

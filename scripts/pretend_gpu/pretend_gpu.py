@@ -1,0 +1,97 @@
+"""The Python half of the pretend GPU (README.md here): library kernels that only make their outputs.
+
+The C shims answer the CUDA runtime and driver, so ATen's own kernels and Triton's launch into nothing.
+cuBLAS and cuDNN need a real device, so their ATen ops get CUDA kernels here that run the op's meta
+kernel (its shape, stride and dtype checks: "mat1 and mat2 must have the same dtype" raises as on a
+GPU) and return empty CUDA tensors of the meta result's layout. No value is ever computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The ops whose CUDA kernels call cuBLAS, cuDNN or a library that reads device memory on the host
+# (cub's sort in the embedding backward), as a model's training step reaches them.
+LIBRARY_OPS = (
+    "mm", "mm.out", "addmm", "addmm.out", "bmm", "bmm.out", "baddbmm", "baddbmm.out",
+    "_addmm_activation", "_addmm_activation.out", "addmv", "addmv.out", "dot", "mv",
+    "convolution", "convolution_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "cudnn_batch_norm", "cudnn_batch_norm_backward", "embedding_dense_backward",
+)
+
+_library = None
+
+
+def _meta(x, channels_last: bool = False):
+    """x's metadata as a meta tensor. Meta tensors dispatch alike under any mode, so this works where
+    a fake mode calls a real kernel with Python dispatch off (its constant folding does)."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+        if channels_last and x.dim() == 4:
+            return torch.empty(x.shape, dtype=x.dtype, device="meta", memory_format=torch.channels_last)
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta(y, channels_last) for y in x)
+    return x
+
+
+def _cuda(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cuda(y) for y in x)
+    return x
+
+
+def _channels_last(x) -> bool:
+    return (isinstance(x, torch.Tensor) and x.dim() == 4 and not x.is_contiguous()
+            and x.is_contiguous(memory_format=torch.channels_last))
+
+
+def _outputs_only(op: torch._ops.OpOverload):
+    out_names = [a.name for a in op._schema.arguments if a.is_out]
+    conv = "convolution" in op._schema.name
+
+    def kernel(*args, **kwargs):
+        # cuDNN convolves channels-last when the input or the weight is; off CUDA the meta kernel
+        # looks at the input only, so both are made channels-last for it.
+        cl = conv and any(_channels_last(a) for a in args[:3])
+        result = op(*_meta(args, cl), **{k: _meta(v, cl) for k, v in kwargs.items()})
+        if not out_names:
+            return _cuda(result)
+        outs = [kwargs[n] for n in out_names]
+        for o, m in zip(outs, result if isinstance(result, (tuple, list)) else [result]):
+            if o.shape != m.shape or o.stride() != m.stride():
+                o.resize_(m.shape).as_strided_(m.shape, m.stride())
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return kernel
+
+
+def is_pretend() -> bool:
+    """Whether this process's CUDA device is the shims' (so nothing real is overridden)."""
+    return torch.cuda.is_available() and "(pretend)" in torch.cuda.get_device_name(0)
+
+
+def install() -> None:
+    """Register the output-only library kernels and let autocast run on the pretend device."""
+    global _library
+    if _library is not None:
+        return
+    if not is_pretend():
+        raise SystemExit("pretend_gpu: the pretend CUDA runtime is not loaded (use scripts/pretend_gpu/run); "
+                         "refusing to replace a real GPU's kernels")
+    import torch.cuda.amp.common as amp_common
+
+    amp_common.amp_definitely_not_available = lambda: False  # autocast asks the driver otherwise
+    torch.cuda.is_bf16_supported = lambda *a, **k: True
+    _library = torch.library.Library("aten", "IMPL")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
+        for name in LIBRARY_OPS:
+            base, _, overload = name.partition(".")
+            packet = getattr(torch.ops.aten, base, None)
+            if packet is not None and hasattr(packet, overload or "default"):
+                _library.impl(name, _outputs_only(getattr(packet, overload or "default")), "CUDA")
