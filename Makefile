@@ -70,11 +70,11 @@ $(CUDA_VENV)/.installed:
 	$(CUDA_VENV)/bin/pip install -q torch==2.11.0 transformers==5.17.0 networkx
 	touch $@
 
-$(PRETEND_LIB)/libcudart-pretend.so: scripts/pretend_gpu/cudart.c $(CUDA_VENV)/.installed
+$(PRETEND_LIB)/libcudart-pretend.so: scripts/pretend_gpu/cudart.c scripts/pretend_gpu/h100.h $(CUDA_VENV)/.installed
 	mkdir -p $(PRETEND_LIB)
 	cc -shared -fPIC -O1 -I$(CUDA_INCLUDE) -o $@ $< -lpthread
 
-$(PRETEND_LIB)/libcuda.so.1: scripts/pretend_gpu/libcuda.c
+$(PRETEND_LIB)/libcuda.so.1: scripts/pretend_gpu/libcuda.c scripts/pretend_gpu/h100.h
 	mkdir -p $(PRETEND_LIB)
 	cc -shared -fPIC -O1 -o $@ $<
 	ln -sf libcuda.so.1 $(PRETEND_LIB)/libcuda.so

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <sys/mman.h>
 #include <pthread.h>
+#include "h100.h"
 cudaError_t cudaGetDeviceCount(int* c){*c=1;return cudaSuccess;}
 cudaError_t cudaGetDevice(int* d){*d=0;return cudaSuccess;}
 cudaError_t cudaSetDevice(int d){return cudaSuccess;}
@@ -45,31 +46,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp* p, int d){
   p->memoryBusWidth=5120; p->totalConstMem=65536; p->integrated=0; p->concurrentKernels=1;
   p->asyncEngineCount=3; p->unifiedAddressing=1; p->managedMemory=1; p->pciBusID=0;
   return cudaSuccess;}
-cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr a, int d){
-  switch((int)a){
-    case 1: *v=1024; break;   // max threads per block
-    case 2: *v=1024; break; case 3: *v=1024; break; case 4: *v=64; break;
-    case 5: *v=2147483647; break; case 6: *v=65535; break; case 7: *v=65535; break;
-    case 8: *v=49152; break;  // shared memory per block
-    case 9: *v=65536; break;  // constant memory
-    case 10: *v=32; break;    // warp size
-    case 12: *v=65536; break; // registers per block
-    case 13: *v=1980000; break; // clock kHz
-    case 16: *v=132; break;   // SMs
-    case 36: *v=2619000; break; case 37: *v=5120; break; case 38: *v=50<<20; break;
-    case 39: *v=2048; break;  // threads per SM
-    case 75: *v=9; break; case 76: *v=0; break;
-    case 81: *v=233472; break; case 82: *v=65536; break;
-    case 97: *v=232448; break; // opt-in shared memory per block
-    case 106: *v=32; break;   // max blocks per SM
-    default: *v=0;}
-  return cudaSuccess;}
-// driver API (libcuda), looked up by torch's lazy loader
-int cuInit(unsigned f){return 0;}
-int cuDevicePrimaryCtxGetState(int dev, unsigned* flags, int* active){*flags=0;*active=0;return 0;}
-int cuCtxGetCurrent(void** c){*c=0;return 0;}
-int cuDriverGetVersion(int* v){*v=13000;return 0;}
-
+cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr a, int d){*v=h100_attribute((int)a);return cudaSuccess;}
 // Device memory: address space only (MAP_NORESERVE), never touched by a kernel, so a model's whole
 // activation set can be "allocated" on a CPU machine while the caching allocator counts it.
 #define MAXA 65536

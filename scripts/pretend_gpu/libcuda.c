@@ -2,6 +2,7 @@
 // pretend H100 (sm_90). Modules load as handles to nothing and launches do nothing. See README.md.
 #include <string.h>
 #include <stdlib.h>
+#include "h100.h"
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 static int fake_ctx, fake_mod, fake_fn;
@@ -12,23 +13,7 @@ CUresult cuDeviceGetCount(int* c){*c=1;return 0;}
 CUresult cuDeviceGetName(char* s, int n, int d){strncpy(s,"NVIDIA H100 80GB HBM3 (pretend)",n);return 0;}
 CUresult cuDeviceTotalMem(size_t* b, int d){*b=80ull<<30;return 0;}
 CUresult cuDeviceTotalMem_v2(size_t* b, int d){*b=80ull<<30;return 0;}
-CUresult cuDeviceGetAttribute(int* v, int a, int d){
-  switch(a){
-    case 1: *v=1024; break;   // max threads per block
-    case 2: *v=1024; break; case 3: *v=1024; break; case 4: *v=64; break;
-    case 5: *v=2147483647; break; case 6: *v=65535; break; case 7: *v=65535; break;
-    case 8: *v=49152; break;  // shared per block
-    case 10: *v=32; break;    // warp size
-    case 12: *v=65536; break; // registers per block
-    case 13: *v=1980000; break; // clock kHz
-    case 16: *v=132; break;   // SMs
-    case 36: *v=2619000; break; case 37: *v=5120; break; case 38: *v=50<<20; break;
-    case 39: *v=2048; break;  // threads per SM
-    case 75: *v=9; break; case 76: *v=0; break;
-    case 81: *v=233472; break; case 82: *v=65536; break;
-    case 97: *v=232448; break; // optin shared per block
-    default: *v=0;}
-  return 0;}
+CUresult cuDeviceGetAttribute(int* v, int a, int d){*v=h100_attribute(a);return 0;}
 CUresult cuDevicePrimaryCtxGetState(int dev, unsigned* flags, int* active){*flags=0;*active=1;return 0;}
 CUresult cuDevicePrimaryCtxRetain(void** c, int d){*c=&fake_ctx;return 0;}
 CUresult cuCtxGetCurrent(void** c){*c=&fake_ctx;return 0;}
