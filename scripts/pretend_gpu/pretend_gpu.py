@@ -21,31 +21,44 @@ LIBRARY_OPS = (
 )
 
 _library = None
+_fake_mode = None  # convolutions' layouts come from their meta kernels run on fake CUDA tensors
 
 
-def _meta(x, channels_last: bool = False):
+def _meta(x):
     """x's metadata as a meta tensor. Meta tensors dispatch alike under any mode, so this works where
     a fake mode calls a real kernel with Python dispatch off (its constant folding does)."""
     if isinstance(x, torch.Tensor) and x.device.type == "cuda":
-        if channels_last and x.dim() == 4:
-            return torch.empty(x.shape, dtype=x.dtype, device="meta", memory_format=torch.channels_last)
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, (list, tuple)):
-        return type(x)(_meta(y, channels_last) for y in x)
+        return type(x)(_meta(y) for y in x)
     return x
 
 
 def _cuda(x):
-    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+    if isinstance(x, torch.Tensor) and x.device.type in ("meta", "cuda"):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
     if isinstance(x, (list, tuple)):
         return type(x)(_cuda(y) for y in x)
     return x
 
 
-def _channels_last(x) -> bool:
-    return (isinstance(x, torch.Tensor) and x.dim() == 4 and not x.is_contiguous()
-            and x.is_contiguous(memory_format=torch.channels_last))
+def _fake(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+        with _fake_mode:
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fake(y) for y in x)
+    return x
+
+
+def _conv_on_fakes(op, args, kwargs):
+    """The meta kernel picks a convolution's layout by device (cuDNN's rule on CUDA), so it runs on
+    fake CUDA tensors; None where this is called with Python dispatch off (the fakes would be real)."""
+    fargs, fkwargs = _fake(args), {k: _fake(v) for k, v in kwargs.items()}
+    if not all(getattr(a, "fake_mode", None) is _fake_mode for a in fargs[:2]):
+        return None
+    with _fake_mode:
+        return op(*fargs, **fkwargs)
 
 
 def _outputs_only(op: torch._ops.OpOverload):
@@ -53,10 +66,9 @@ def _outputs_only(op: torch._ops.OpOverload):
     conv = "convolution" in op._schema.name
 
     def kernel(*args, **kwargs):
-        # cuDNN convolves channels-last when the input or the weight is; off CUDA the meta kernel
-        # looks at the input only, so both are made channels-last for it.
-        cl = conv and any(_channels_last(a) for a in args[:3])
-        result = op(*_meta(args, cl), **{k: _meta(v, cl) for k, v in kwargs.items()})
+        result = _conv_on_fakes(op, args, kwargs) if conv else None
+        if result is None:
+            result = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
         if not out_names:
             return _cuda(result)
         outs = [kwargs[n] for n in out_names]
@@ -75,7 +87,7 @@ def is_pretend() -> bool:
 
 def install() -> None:
     """Register the output-only library kernels and let autocast run on the pretend device."""
-    global _library
+    global _library, _fake_mode
     if _library is not None:
         return
     if not is_pretend():
@@ -85,6 +97,9 @@ def install() -> None:
 
     amp_common.amp_definitely_not_available = lambda: False  # autocast asks the driver otherwise
     torch.cuda.is_bf16_supported = lambda *a, **k: True
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _fake_mode = FakeTensorMode()
     _library = torch.library.Library("aten", "IMPL")
     import warnings
 
