@@ -8,7 +8,10 @@ GPU) and return empty CUDA tensors of the meta result's layout. No value is ever
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.utils._pytree as pytree
 
 # The ops whose CUDA kernels call cuBLAS, cuDNN or a library that reads device memory on the host
 # (cub's sort in the embedding backward), as a model's training step reaches them.
@@ -24,37 +27,21 @@ _library = None
 _fake_mode = None  # convolutions' layouts come from their meta kernels run on fake CUDA tensors
 
 
-def _meta(x):
-    """x's metadata as a meta tensor. Meta tensors dispatch alike under any mode, so this works where
-    a fake mode calls a real kernel with Python dispatch off (its constant folding does)."""
-    if isinstance(x, torch.Tensor) and x.device.type == "cuda":
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_meta(y) for y in x)
-    return x
+def _like(x, device: str, mode=None):
+    """Empty tensors of x's CUDA tensors' metadata on `device` (under `mode`, if given), through any nesting."""
+    def one(t):
+        if t.device.type not in ("cuda", "meta"):
+            return t
+        with mode if mode is not None else contextlib.nullcontext():
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
-
-def _cuda(x):
-    if isinstance(x, torch.Tensor) and x.device.type in ("meta", "cuda"):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cuda(y) for y in x)
-    return x
-
-
-def _fake(x):
-    if isinstance(x, torch.Tensor) and x.device.type == "cuda":
-        with _fake_mode:
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_fake(y) for y in x)
-    return x
+    return pytree.tree_map_only(torch.Tensor, one, x)
 
 
 def _conv_on_fakes(op, args, kwargs):
     """The meta kernel picks a convolution's layout by device (cuDNN's rule on CUDA), so it runs on
     fake CUDA tensors; None where this is called with Python dispatch off (the fakes would be real)."""
-    fargs, fkwargs = _fake(args), {k: _fake(v) for k, v in kwargs.items()}
+    fargs, fkwargs = _like((args, kwargs), "cuda", _fake_mode)
     if not all(getattr(a, "fake_mode", None) is _fake_mode for a in fargs[:2]):
         return None
     with _fake_mode:
@@ -68,9 +55,12 @@ def _outputs_only(op: torch._ops.OpOverload):
     def kernel(*args, **kwargs):
         result = _conv_on_fakes(op, args, kwargs) if conv else None
         if result is None:
-            result = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+            # Meta tensors dispatch alike under any mode, so this works where a fake mode calls a
+            # real kernel with Python dispatch off (its constant folding does).
+            margs, mkwargs = _like((args, kwargs), "meta")
+            result = op(*margs, **mkwargs)
         if not out_names:
-            return _cuda(result)
+            return _like(result, "cuda")
         outs = [kwargs[n] for n in out_names]
         for o, m in zip(outs, result if isinstance(result, (tuple, list)) else [result]):
             if o.shape != m.shape or o.stride() != m.stride():
