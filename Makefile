@@ -7,7 +7,7 @@ N ?= 2000
 SEED ?= 0
 ORDER ?= 1
 
-.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu pretend-gpu bench-pretend-gpu lint fuzz explain-demo clean
+.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu pretend-gpu bench-pretend-gpu check-pretend-cudagraphs lint fuzz explain-demo clean
 
 install: $(VENV)/.installed browser
 
@@ -79,14 +79,18 @@ $(PRETEND_LIB)/libcuda.so.1: scripts/pretend_gpu/libcuda.c scripts/pretend_gpu/h
 	cc -shared -fPIC -O1 -o $@ $<
 	ln -sf libcuda.so.1 $(PRETEND_LIB)/libcuda.so
 
-# The GPU suite's full-size models on the pretend H100: whether each trains, and activation peaks. Its step
-# and loss columns mean nothing there (no kernel computes), so one step of each is run.
+# The GPU suite's full-size models on the pretend H100: whether each trains, and activation peaks. No kernel
+# computes there, so one step of each is run and the suite leaves out the step and loss columns.
 # One model at a time takes 3-10 min on 2 cores (Triton compiles); PRETEND_MODELS picks them.
 PRETEND_MODELS ?= gpt2,bert,llama,t5,resnet50,vit,gpt2_small_ro
 bench-pretend-gpu: pretend-gpu
 	scripts/pretend_gpu/run $(CUDA_VENV)/bin/python benchmarks/gpu_suite.py --device cuda --models $(PRETEND_MODELS) \
 		--steps 1 --warmup 0 --loss-steps 1 --no-process-warmup \
 		--json $(GPU_OUT)/pretend_gpu_suite.json
+
+# CUDA graphs (mode="reduce-overhead") on the pretend H100: aotgrad's decisions against Inductor's, case by case.
+check-pretend-cudagraphs: pretend-gpu
+	scripts/pretend_gpu/run $(CUDA_VENV)/bin/python scripts/pretend_gpu/cudagraph_check.py
 
 fuzz: install
 	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER) $(if $(SUBCLASS),--subclass)

@@ -26,7 +26,6 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned f){retur
 cudaError_t cudaStreamQuery(cudaStream_t s){return cudaSuccess;}
 cudaError_t cudaStreamSynchronize(cudaStream_t s){return cudaSuccess;}
 cudaError_t cudaDeviceSynchronize(void){return cudaSuccess;}
-cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus* st){*st=cudaStreamCaptureStatusNone;return cudaSuccess;}
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode* m){return cudaSuccess;}
 cudaError_t cudaDriverGetVersion(int* v){*v=13000;return cudaSuccess;}
 cudaError_t cudaRuntimeGetVersion(int* v){*v=13000;return cudaSuccess;}
@@ -94,7 +93,6 @@ cudaError_t cudaFuncSetCacheConfig(const void* f, enum cudaFuncCache c){return c
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void* f, int b, size_t s){*n=2;return cudaSuccess;}
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, const void* f, int b, size_t s, unsigned fl){*n=2;return cudaSuccess;}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b){*ms=1.0f;return cudaSuccess;}
-cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, enum cudaStreamCaptureStatus* st, unsigned long long* id, cudaGraph_t* g, const cudaGraphNode_t** d, const cudaGraphEdgeData** e, size_t* n){if(g)*g=0; if(n)*n=0;*st=cudaStreamCaptureStatusNone; if(id)*id=0; return cudaSuccess;}
 cudaError_t cudaStreamCreate(cudaStream_t* s){return cudaStreamCreateWithPriority(s,0,0);}
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned f){return cudaStreamCreateWithPriority(s,f,0);}
 cudaError_t cudaStreamDestroy(cudaStream_t s){return cudaSuccess;}
@@ -106,3 +104,41 @@ cudaError_t cudaDeviceEnablePeerAccess(int d, unsigned f){return cudaSuccess;}
 cudaError_t cudaSetDeviceFlags(unsigned f){return cudaSuccess;}
 cudaError_t cudaGetDeviceFlags(unsigned* f){*f=0;return cudaSuccess;}
 cudaError_t cudaInitDevice(int d, unsigned a, unsigned b){return cudaSuccess;}
+// CUDA graphs (mode="reduce-overhead"): a stream being captured says so, with its capture id, so torch's
+// allocator and RNG take their capture paths; graphs are handles to nothing and replays do nothing.
+#define MAXC 64
+static cudaStream_t cstream[MAXC]; static unsigned long long cid[MAXC]; static unsigned long long next_cid = 1;
+static pthread_mutex_t cmu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned long long capture_id(cudaStream_t s){
+  unsigned long long id = 0;
+  pthread_mutex_lock(&cmu);
+  for(int i=0;i<MAXC;i++) if(cid[i] && cstream[i]==s){id=cid[i]; break;}
+  pthread_mutex_unlock(&cmu);
+  return id;}
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode m){
+  cudaError_t r = cudaErrorIllegalState;
+  pthread_mutex_lock(&cmu);
+  for(int i=0;i<MAXC;i++) if(!cid[i]){cstream[i]=s; cid[i]=next_cid++; r=cudaSuccess; break;}
+  pthread_mutex_unlock(&cmu);
+  return r;}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g){
+  pthread_mutex_lock(&cmu);
+  for(int i=0;i<MAXC;i++) if(cid[i] && cstream[i]==s){cid[i]=0; break;}
+  pthread_mutex_unlock(&cmu);
+  *g=(cudaGraph_t)malloc(64); return cudaSuccess;}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus* st){
+  *st = capture_id(s) ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone; return cudaSuccess;}
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, enum cudaStreamCaptureStatus* st, unsigned long long* id, cudaGraph_t* g, const cudaGraphNode_t** d, const cudaGraphEdgeData** e, size_t* n){
+  unsigned long long c = capture_id(s);
+  *st = c ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  if(id)*id=c; if(g)*g=0; if(d)*d=0; if(e)*e=0; if(n)*n=0; return cudaSuccess;}
+// One node per graph: torch warns about an empty capture, and this one is not empty, only pretend.
+cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t* nodes, size_t* n){
+  if(nodes && *n) nodes[0]=(cudaGraphNode_t)g; *n=1; return cudaSuccess;}
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* x, cudaGraph_t g, unsigned long long f){*x=(cudaGraphExec_t)malloc(64);return cudaSuccess;}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* x, cudaGraph_t g, unsigned long long f){return cudaGraphInstantiateWithFlags(x,g,f);}
+cudaError_t cudaGraphUpload(cudaGraphExec_t x, cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x){free(x);return cudaSuccess;}
+cudaError_t cudaGraphDestroy(cudaGraph_t g){free(g);return cudaSuccess;}
+cudaError_t cudaGraphDebugDotPrint(cudaGraph_t g, const char* path, unsigned f){return cudaSuccess;}
