@@ -97,6 +97,8 @@ class Variant:
     # graphs that ran without CUDA graphs under mode="reduce-overhead" (Inductor's counter, over the
     # first step, where graphs compile, and the warm-up, where cudagraph trees record)
     cudagraph_skips: int = 0
+    # on the pretend GPU: the operations one forward+backward asked of the device (pretend_gpu.device_ops)
+    device_ops: dict[str, int] | None = None
 
     def median_ms(self) -> float | None:
         if not self.step_ms:
@@ -349,9 +351,17 @@ def run_model(name: str, index: int, args, device: torch.device, dtype, log: Cal
     # Activation peak: forward + backward, above what was allocated before the step.
     for v in live:
         gc.collect()
+        ops = _device_ops() if row.pretend else None
         row.variants[v].peak_bytes = activation_peak(device, lambda v=v: trainers[v].forward_backward(sm.batches[-1]))
+        if ops is not None:
+            row.variants[v].device_ops = {k: n - ops[k] for k, n in _device_ops().items()}
         trainers[v].opt.zero_grad(set_to_none=True)
     return row
+
+
+def _device_ops() -> dict[str, int]:
+    """The pretend device's operation counts so far (scripts/pretend_gpu/pretend_gpu.py, loaded by its launcher)."""
+    return sys.modules["pretend_gpu"].device_ops()
 
 
 def activation_peak(device: torch.device, fn: Callable[[], object]) -> int | None:
@@ -409,6 +419,9 @@ def report(rows: list[Row], device: torch.device) -> str:
         if r.mode:
             notes.insert(0, f"mode={r.mode}")
             notes += [f"{k}: {v.cudagraph_skips} CUDA-graph skips" for k, v in r.variants.items() if v.cudagraph_skips]
+        if a.device_ops and b.device_ops:
+            notes.append("device ops per fwd+bwd, aot/ind: " + ", ".join(
+                f"{k} {a.device_ops[k]}/{b.device_ops[k]}" for k in a.device_ops))
         if r.first_order:
             notes.append("first: " + " then ".join(r.first_order))
         step_ms = (None, None) if r.pretend else (a.median_ms(), b.median_ms())
@@ -429,7 +442,8 @@ def report(rows: list[Row], device: torch.device) -> str:
 
     if any(r.pretend for r in rows):
         out.append("pretend GPU (scripts/pretend_gpu): no kernel computes, so pass means both compiled variants "
-                   "trained without error; step and loss not measured; first step is CPU compile time")
+                   "trained without error; step and loss not measured; first step is CPU compile time; device "
+                   "ops count the kernels (with memsets and copies) and library calls one forward+backward asks for")
     out.append(f"{len(ok)}/{len(rows)} models pass; geometric mean aotgrad ÷ Inductor: step "
                f"{_f(geomean('step'), '.2f')}, activation peak {_f(geomean('peak'), '.2f')}, first step "
                f"{_f(geomean('first'), '.2f')} (targets: ≤ 0.97, ≤ 0.90, ≤ 1.00)")

@@ -74,19 +74,27 @@ cudaError_t cudaHostUnregister(void* p){return cudaSuccess;}
 cudaError_t cudaHostGetDevicePointer(void** d, void* h, unsigned f){*d=h;return cudaSuccess;}
 // Host<->device copies are real (inputs and .item() read back what was put in); device-to-device
 // copies do nothing, as kernels do.
+static cudaError_t op(void);
 static cudaError_t copy(void* d, const void* s, size_t n, enum cudaMemcpyKind k){
-  if(k!=cudaMemcpyDeviceToDevice) memcpy(d,s,n); return cudaSuccess;}
+  if(k!=cudaMemcpyDeviceToDevice) memcpy(d,s,n); return op();}
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, enum cudaMemcpyKind k, cudaStream_t st){return copy(d,s,n,k);}
 cudaError_t cudaMemcpy(void* d, const void* s, size_t n, enum cudaMemcpyKind k){return copy(d,s,n,k);}
 cudaError_t cudaMemcpy2DAsync(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, enum cudaMemcpyKind k, cudaStream_t st){return cudaSuccess;}
 cudaError_t cudaMemcpyPeerAsync(void* d, int dd, const void* s, int sd, size_t n, cudaStream_t st){return cudaSuccess;}
-cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s){return cudaSuccess;}
-cudaError_t cudaMemset(void* p, int v, size_t n){return cudaSuccess;}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s){return op();}
+cudaError_t cudaMemset(void* p, int v, size_t n){return op();}
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes* a, const void* p){memset(a,0,sizeof(*a));a->type=cudaMemoryTypeDevice;a->devicePointer=(void*)p;a->hostPointer=(void*)p;return cudaSuccess;}
-// Kernels: launched into nothing.
-cudaError_t cudaLaunchKernel(const void* f, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return cudaSuccess;}
-cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* c, const void* f, void** a){return cudaSuccess;}
-cudaError_t cudaLaunchCooperativeKernel(const void* f, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return cudaSuccess;}
+// Kernels: launched into nothing, and counted (with memsets, device-to-device copies and graph
+// launches): pretend_gpu.py reads the count, what a GPU would have run as separate operations.
+static unsigned long long n_ops;
+unsigned long long pretend_gpu_runtime_ops(void){return __atomic_load_n(&n_ops, __ATOMIC_RELAXED);}
+static cudaError_t op(void){__atomic_add_fetch(&n_ops, 1, __ATOMIC_RELAXED); return cudaSuccess;}
+cudaError_t cudaLaunchKernel(const void* f, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return op();}
+cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* c, const void* f, void** a){return op();}
+// What nvcc's launch stubs call in CUDA 13 (ATen's own kernels come through here).
+cudaError_t __cudaLaunchKernel(cudaKernel_t k, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return op();}
+cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t k, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return op();}
+cudaError_t cudaLaunchCooperativeKernel(const void* f, dim3 g, dim3 b, void** a, size_t s, cudaStream_t st){return op();}
 cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes* a, const void* f){memset(a,0,sizeof(*a));a->maxThreadsPerBlock=1024;a->numRegs=32;a->ptxVersion=90;a->binaryVersion=90;return cudaSuccess;}
 cudaError_t cudaFuncSetAttribute(const void* f, enum cudaFuncAttribute a, int v){return cudaSuccess;}
 cudaError_t cudaFuncSetCacheConfig(const void* f, enum cudaFuncCache c){return cudaSuccess;}
@@ -138,7 +146,7 @@ cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t* nodes, size_t* n){
 cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* x, cudaGraph_t g, unsigned long long f){*x=(cudaGraphExec_t)malloc(64);return cudaSuccess;}
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* x, cudaGraph_t g, unsigned long long f){return cudaGraphInstantiateWithFlags(x,g,f);}
 cudaError_t cudaGraphUpload(cudaGraphExec_t x, cudaStream_t s){return cudaSuccess;}
-cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s){return cudaSuccess;}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t x, cudaStream_t s){return op();}
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t x){free(x);return cudaSuccess;}
 cudaError_t cudaGraphDestroy(cudaGraph_t g){free(g);return cudaSuccess;}
 cudaError_t cudaGraphDebugDotPrint(cudaGraph_t g, const char* path, unsigned f){return cudaSuccess;}

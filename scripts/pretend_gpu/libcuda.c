@@ -6,6 +6,10 @@
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 static int fake_ctx, fake_mod, fake_fn;
+// Launches (Triton's kernels) are counted: pretend_gpu.py reads the count beside the runtime's.
+static unsigned long long n_launches;
+unsigned long long pretend_gpu_driver_ops(void){return __atomic_load_n(&n_launches, __ATOMIC_RELAXED);}
+static CUresult launch(void){__atomic_add_fetch(&n_launches, 1, __ATOMIC_RELAXED); return 0;}
 CUresult cuInit(unsigned f){return 0;}
 CUresult cuDriverGetVersion(int* v){*v=13000;return 0;}
 CUresult cuDeviceGet(int* d, int o){*d=0;return 0;}
@@ -35,12 +39,12 @@ CUresult cuFuncSetCacheConfig(void* f, int c){return 0;}
 CUresult cuOccupancyMaxActiveClusters(int* n, void* f, const void* cfg){*n=1;return 0;}
 CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, void* f, int b, size_t s){*n=1;return 0;}
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                        unsigned shm, void* stream, void** params, void** extra){return 0;}
+                        unsigned shm, void* stream, void** params, void** extra){return launch();}
 CUresult cuLaunchKernel_ptsz(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                        unsigned shm, void* stream, void** params, void** extra){return 0;}
-CUresult cuLaunchKernelEx(const void* cfg, void* f, void** params, void** extra){return 0;}
+                        unsigned shm, void* stream, void** params, void** extra){return launch();}
+CUresult cuLaunchKernelEx(const void* cfg, void* f, void** params, void** extra){return launch();}
 CUresult cuLaunchCooperativeKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                        unsigned shm, void* stream, void** params){return 0;}
+                        unsigned shm, void* stream, void** params){return launch();}
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p){
   if(attr==3){*(CUdeviceptr*)data=p;} else if(attr==2){*(int*)data=2;} else {*(int*)data=0;} return 0;}
 CUresult cuPointerGetAttributes(unsigned n, int* attrs, void** data, CUdeviceptr p){

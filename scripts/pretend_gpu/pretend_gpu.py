@@ -9,6 +9,7 @@ GPU) and return empty CUDA tensors of the meta result's layout. No value is ever
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.utils._pytree as pytree
@@ -24,6 +25,7 @@ LIBRARY_OPS = (
 )
 
 _library = None
+_library_calls = 0  # library ops run on the device (each would be one or more cuBLAS/cuDNN kernels)
 _fake_mode = None  # convolutions' layouts come from their meta kernels run on fake CUDA tensors
 
 
@@ -53,6 +55,8 @@ def _outputs_only(op: torch._ops.OpOverload):
     conv = "convolution" in op._schema.name
 
     def kernel(*args, **kwargs):
+        global _library_calls
+        _library_calls += 1
         result = _conv_on_fakes(op, args, kwargs) if conv else None
         if result is None:
             # Meta tensors dispatch alike under any mode, so this works where a fake mode calls a
@@ -68,6 +72,18 @@ def _outputs_only(op: torch._ops.OpOverload):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     return kernel
+
+
+def device_ops() -> dict[str, int]:
+    """Operations the pretend device was asked to run so far: `kernels` (ATen's and Triton's launches,
+    memsets, device copies, CUDA-graph launches, as the shims count them) and `library` (cuBLAS/cuDNN
+    ops, counted here). On a GPU each is at least one launch: a count a step time cannot go below."""
+    import ctypes
+
+    runtime = ctypes.CDLL(os.environ["LD_PRELOAD"].split(":")[0]).pretend_gpu_runtime_ops
+    driver = ctypes.CDLL("libcuda.so.1").pretend_gpu_driver_ops
+    runtime.restype = driver.restype = ctypes.c_ulonglong
+    return {"kernels": runtime() + driver(), "library": _library_calls}
 
 
 def is_pretend() -> bool:
