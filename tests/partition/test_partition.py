@@ -372,6 +372,57 @@ def test_normalised_value_read_by_a_backward_matmul_is_saved_at_budget_one(budge
     )
 
 
+_BN_DECOMPOSED = torch._decomp.get_decompositions([
+    torch.ops.aten._native_batch_norm_legit_functional, torch.ops.aten.native_batch_norm_backward,
+])
+
+
+def _bn_relu_conv(x, w1, w2, bn_w, bn_b):
+    h = F.conv2d(x, w1)
+    mean, var = h.mean((0, 2, 3), keepdim=True), h.var((0, 2, 3), keepdim=True, correction=0)
+    h = torch.relu((h - mean) * torch.rsqrt(var + 1e-5) * bn_w.view(1, -1, 1, 1) + bn_b.view(1, -1, 1, 1))
+    return F.conv2d(h, w2)
+
+
+@pytest.mark.parametrize("budget", [None, 0.0])
+def test_normalised_value_read_by_a_backward_convolution_is_saved_at_budget_one(budget):
+    # ResNet's BatchNorm -> ReLU -> Conv: the second convolution's backward reads the ReLU output.
+    # Recomputed, it costs the backward a kernel per layer (the convolution backward reads it from
+    # memory: ResNet-50 on the pretend H100, 619 kernels a step against Inductor's 578); saved, 584.
+    # A lower budget may still recompute it.
+    g = Graphs()
+    make = plain((2, 3, 8, 8), (4, 3, 3, 3), (4, 4, 3, 3), (4,), (4,))
+    compiled = aot_function(_bn_relu_conv, g, nop, partition_fn=mincut_partitioner(budget))
+    check_against_eager(_bn_relu_conv, make, compiled=compiled)
+    saved = g.saved_nodes(1)
+    relus = [n for n in saved if n.target is torch.ops.aten.relu.default]
+    assert len(relus) == (1 if budget is None else 0), [n.name for n in saved]
+    assert op_class(next(n for n in g.fw.graph.nodes if n.target is torch.ops.aten.convolution.default)) == "conv"
+
+
+def _masked_attention(q, k, v):
+    n = q.shape[-2]
+    causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+    mask = torch.where(causal, 0.0, float("-inf")).expand(q.shape[0], 1, n, n)
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(a, k, v, attn_mask=mask)
+
+
+def test_mask_made_from_factories_is_saved_for_the_backward_attention():
+    # GPT-2's causal mask: made from arange alone, read by every layer's attention and by its
+    # backward. Unsaved, the forward returns nothing of it, so Inductor writes it out once per
+    # attention kernel, and the backward again (GPT-2 on the pretend H100: 12 forward kernels where
+    # upstream, which saves it, has one).
+    g = Graphs()
+    make = plain((2, 2, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8))
+    compiled = aot_function(_masked_attention, g, nop, partition_fn=mincut_partitioner())
+    check_against_eager(_masked_attention, make, compiled=compiled)
+    saved = g.saved_nodes(1)
+    assert any(n.target is torch.ops.aten.where.self for n in saved), [n.name for n in saved]
+    recomputed = [name for name, _ in g.info.recomputed]
+    assert not any(name.startswith(("where", "arange", "iota")) for name in recomputed), recomputed
+
+
 def test_budget_split_lands_on_target_between_whole_steps():
     # _ln_mlp: 8 rows, hidden activations of 8 x 32 floats = 1 KiB, budget range 2688 B. No whole plan
     # lies between 0.38 and 0.67 of the range; 0.5 asks for 320 B more than the plan at 0.38: the

@@ -113,6 +113,9 @@ _CONV = {
     "conv_transpose3d", "cudnn_convolution", "cudnn_convolution_transpose", "mkldnn_convolution",
     "miopen_convolution", "_slow_conv2d_forward", "slow_conv3d_forward", "thnn_conv2d",
     "convolution_overrideable", "_nnpack_spatial_convolution",
+    # the backward's library kernels: they read their input and weight from memory, as a matmul
+    # does, so a value they read is materialized (a recomputation of it is a kernel of its own)
+    "convolution_backward", "convolution_backward_overrideable",
 }
 _EXPENSIVE = frozenset({"matmul", "conv", "attention", "reduction"})
 _NEVER = frozenset({"input", "random", "fixed"})
