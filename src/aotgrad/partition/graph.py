@@ -110,7 +110,7 @@ class _Joint:
         self.decisions = decisions
 
         pinned, items, unsaveable = set(), [], set()
-        kept_for_matmul = self._normalised_matmul_operands()
+        kept_for_library = self._library_operands()
         negligible = self._negligible()
         for n in self.region:
             cls, d = self.cls[n], decisions.get(n)
@@ -128,7 +128,7 @@ class _Joint:
                 items.append(n)
             elif d is None and n in negligible:
                 pinned.add(n)
-            elif d is None and n in kept_for_matmul:
+            elif d is None and n in kept_for_library:
                 items.append(n)
             if d == CheckpointPolicy.MUST_RECOMPUTE and cls != "input":
                 unsaveable.add(n)
@@ -160,9 +160,10 @@ class _Joint:
             and self.bytes[n] <= NEGLIGIBLE_FRACTION * largest
         }
 
-    def _normalised_matmul_operands(self) -> set[Node]:
-        """Cheap values a backward matmul reads (directly or through views) that are computed from
-        a large reduction's output: a normalised activation feeding a linear layer, softmax
+    def _library_operands(self) -> set[Node]:
+        """Cheap values a backward library op (matmul, convolution, attention) reads, directly or
+        through views, that are computed from a large reduction's output: a normalised activation
+        feeding a linear layer, softmax
         probabilities feeding attention's second matmul. Recomputing one saves its bytes but costs
         the backward a kernel of its own: Inductor fuses the recomputation neither into the matmul
         nor into the normalisation's backward reduction, and the forward wrote the value anyway.
@@ -170,9 +171,9 @@ class _Joint:
         A pointwise function of a matmul output (GELU) stays recomputable: saving it measured
         slower, and its recomputation fuses with the activation's backward.
         Values made from factories alone count too: a causal attention mask, made from `arange`
-        and read by every layer's attention. Unsaved, the forward is no output of it, so Inductor
-        writes it once per layer for each attention kernel, and the backward again (GPT-2 on the
-        pretend H100: 36 kernels of a 4 MiB mask per step, where upstream saves it and writes it once).
+        and read by every layer's attention. Unsaved, the forward has no output of it, so Inductor
+        writes it out for each attention kernel (GPT-2 on the pretend H100: 12 forward kernels of a
+        4 MiB mask, where upstream saves it and writes it once), and the backward makes it again.
         A convolution's backward is such a reader too (ops._CONV): ResNet-50's ReLU outputs."""
         through = ("pointwise", "cheap", "view", "free")
         from_reduction: set[Node] = set()  # computed, through cheap ops only, from a large reduction
