@@ -23,6 +23,8 @@ T5 and Llama until graphs were compiled with autocast off)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 
 import torch
 
@@ -41,7 +43,7 @@ except ImportError:  # torch < 2.13: the same hint, without adding guards
         return int(a)
 
 
-__all__ = ["boxed_codegen", "compiling_session", "is_out", "optimization_hint"]
+__all__ = ["boxed_codegen", "compiling_session", "is_out", "load_scalar_cpp_binding", "optimization_hint"]
 
 
 def is_out(op: torch._ops.OpOverload) -> bool:
@@ -82,6 +84,35 @@ def compiling_session():
         yield
     finally:
         compiler._is_compiling_flag = old
+
+
+def load_scalar_cpp_binding(argtypes: list[str], source: str):
+    """A C++ function of plain scalar code, built and bound to Python by Inductor's toolchain
+    (`CppPythonBindingsCodeCache`), without probing the CPU's vector instruction sets.
+
+    Inductor's first C++ build in a process compiles a test program per instruction set (avx512,
+    avx2: 8-12 s on 2 cores) to choose vector flags. Scalar code needs none of them, and on a GPU
+    no other build asks for them, so that probe was the whole of it: 16 s of a ResNet-50's first
+    step on the pretend H100, for aotgrad's overlap check. torch 2.13 takes `needs_vec_isa=False`;
+    older ones pick the ISA for every build, so there the probe is answered "none" for this build
+    alone, unless it has already run (then it costs nothing)."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    load = codecache.CppPythonBindingsCodeCache.load_pybinding_async
+    if "needs_vec_isa" in inspect.signature(load).parameters:
+        return load(argtypes, source, needs_vec_isa=False)()
+    with _probe_lock:
+        probed = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0
+        pick = codecache.pick_vec_isa
+        if not probed:
+            codecache.pick_vec_isa = lambda: cpu_vec_isa.invalid_vec_isa
+        try:
+            return load(argtypes, source)()
+        finally:
+            codecache.pick_vec_isa = pick
+
+
+_probe_lock = threading.Lock()
 
 
 def _linalg_checks_are_ordered_effects() -> None:

@@ -3,7 +3,10 @@ check remembers the last call's order of ranges; a stale order must never hide a
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,3 +67,22 @@ def test_sizes_check_rejects_other_sizes_strides_and_dtypes():
     assert not check.check([torch.ones(2, 3), torch.ones(6)])
     assert not check.check([torch.ones(2, 3), torch.ones(5, dtype=torch.float64)])
     assert not check.check([torch.ones(2, 3), torch.ones(10)[::2]])
+
+
+def test_overlap_check_builds_without_probing_the_cpus_vector_instruction_sets(tmp_path):
+    """Inductor's first C++ build in a process probes avx512/avx2 with a test program each (8-12 s on
+    2 cores); a GPU run never asks for them otherwise, so the probe was most of a ResNet-50's first
+    step beyond Inductor's on the pretend H100 (16 s of 55). The check is scalar code: built without
+    it. A fresh process, a fresh Inductor cache: the probe's cache must stay empty."""
+    code = (
+        "import torch\n"
+        "from torch._inductor import cpu_vec_isa\n"
+        "from aotgrad.runtime import input_checks\n"
+        "kernel = input_checks._build_disjoint_ranges_kernel(3)\n"
+        "assert kernel is not None  # built, and it found the overlap its self-test shows it\n"
+        "print('probed', cpu_vec_isa.valid_vec_isa_list.cache_info().currsize)\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "probed 0" in out.stdout, out.stdout

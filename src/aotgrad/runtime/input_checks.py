@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .. import torch_compat
 from ..signature.inputs import alias_key, is_wrapper, storage_id
 
 log = logging.getLogger("aotgrad.input_checks")
@@ -179,8 +180,9 @@ def _disjoint_ranges_kernel(n: int) -> concurrent.futures.Future:
 
     It is C++ because reading a few hundred data pointers from Python costs more (14 us) than the
     whole check in C++ (2.8 us). Inductor's toolchain builds it (`CppPythonBindingsCodeCache`, which
-    reads a tensor's data pointer in C++ without torch's headers): a second or two of compiler
-    time, once per number of tensors, loaded from Inductor's disk cache at once in later runs.
+    reads a tensor's data pointer in C++ without torch's headers): a second of compiler time,
+    once per number of tensors, loaded from Inductor's disk cache at once in later runs. (Scalar
+    code: built without Inductor's probe of the CPU's vector ISA, which costs 8-12 s more.)
     The build is part of the compile (the caller waits for it): built in the background, it ran on
     the user's first training steps instead (on 2 cores, `make demo-distributed`'s DDP steps were
     2x slower for its first 20 steps, issue 40). It runs in its own thread, outside whatever modes
@@ -268,6 +270,4 @@ def compile_disjoint_ranges_kernel(n: int) -> Callable:
             ordered = true;
         }}
     """
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(["const int64_t*"] + ["const void*"] * n, source)
+    return torch_compat.load_scalar_cpp_binding(["const int64_t*"] + ["const void*"] * n, source)
