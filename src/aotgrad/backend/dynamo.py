@@ -77,6 +77,7 @@ from ..inductor.compilers import (
     _specialise_dynamic_floats,
     inductor_compilers,
     inductor_config_patches,
+    wake_compile_workers,
 )
 from ..inductor.context import BackendCompileError, _compile_context, _describe_failure, _must_propagate
 from ..inductor.cudagraphs import StaticInputs, static_leaf_positions
@@ -184,6 +185,8 @@ class AotgradBackend:
         # Inductor's CPU kernels wait for its ISA probe: it runs while aotgrad traces or loads.
         if self.use_inductor and _cpu_graph(example_inputs) and isa_probe.start(chosen.inductor_patches):
             isa_probe.prefetch_imports()
+        elif self.use_inductor:  # its Triton compile workers start while aotgrad traces
+            wake_compile_workers(example_inputs)
         try:
             with chosen._inductor_patches():
                 return on_roomy_stack(chosen._compile, gm, list(example_inputs))
