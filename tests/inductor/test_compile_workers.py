@@ -1,7 +1,7 @@
 """Inductor's Triton-compile workers are woken when aotgrad starts on a GPU graph, as Inductor's own
 `compile_fx` wakes them, so they boot while aotgrad traces and partitions instead of during the first
-kernel's compile (cold ViT-B/16 first step on the pretend H100: 21.8 s without, 20.0 s with; Inductor
-18.6 s). A CPU graph builds C++ kernels, not Triton ones: no workers for it."""
+kernel's compile (cold ViT-B/16 first step on the pretend H100: 22.2 s without, 20.6 s with; Inductor
+18.8 s; scripts/pretend_gpu/first_step.py). A CPU graph builds C++ kernels, not Triton ones: no workers for it."""
 
 from __future__ import annotations
 
