@@ -88,6 +88,7 @@ def _compile_plain_signature(fn: Callable, leaves: list, spec: pytree.TreeSpec, 
                 keep_input_mutations=config.keep_inference_input_mutations,
                 make_compiled=lambda f: CompiledFunction(f, replace(config, num_params_buffers=0)),
                 keep_inplace=config.disable_functionalization,
+                decompositions=config.decompositions,
             )
         else:
             compiled = compile_inference(captured, config.inference_compiler, primals,

@@ -103,6 +103,13 @@ def nested_regions(a, b, c):
     return tuple(outs)
 
 
+def float32_attention(a, b, c):
+    # SDPA's math path on CPU does this below autocast: its matmuls and softmax in float32.
+    with torch.autocast("cpu", enabled=False):
+        p = torch.softmax(a.float() @ b.float(), -1)
+        return (p @ c.float(),)
+
+
 def weight_cast_twice(a, b, c):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return (a @ c, torch.relu(b) @ c)
@@ -149,12 +156,33 @@ def test_leaf_cast_once_per_region():
     _check(weight_cast_twice, "aot_function", caller_dtype=None)
 
 
-@pytest.mark.parametrize("entry", ["aot_function", "aotgrad_eager"])
-@pytest.mark.parametrize("fn", [disabled_region, nested_regions], ids=["disabled", "nested"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("fn", [disabled_region, nested_regions, float32_attention],
+                         ids=["disabled", "nested", "float32_attention"])
 def test_backward_called_under_autocast(entry, fn):
     """Eager's backward is cast by the state in force when it runs: the float32 region's matmul
-    backward runs in bfloat16 there, and aotgrad's must too."""
+    backward runs in bfloat16 there, and aotgrad's must too. Its result goes on in float32, as
+    eager's engine casts each gradient to its forward value's dtype (float32_attention: the softmax
+    backward of a bfloat16 gradient raised "expected scalar type BFloat16 but found Float"). Under
+    Inductor the re-traced backward's casts are decomposed as the capture's were (Inductor raised
+    "both a fallback and a decomp for same op: aten._to_copy"); its kernels that mix bfloat16 and
+    float16 miss eager's nested gradients by a bfloat16 rounding, so that case is checked against
+    backend="inductor" (the same kernels: the same values)."""
+    if entry == "aotgrad" and fn is nested_regions:
+        return _check_against_inductor(fn)
     _check(fn, entry, backward_under_autocast=True)
+
+
+def _check_against_inductor(fn):
+    xs = _inputs()
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        _, grads_u = _run(_compiled(fn, "inductor"), _clones(xs), torch.bfloat16, True)
+        _, grads_a = _run(_compiled(fn, "aotgrad"), _clones(xs), torch.bfloat16, True)
+    _, grads_e = _run(fn, _clones(xs), torch.bfloat16, True)
+    for k, (u, a, e) in enumerate(zip(grads_u, grads_a, grads_e)):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, u, **TIGHT, msg=f"grad of input {k} against Inductor's")
+        torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-2, msg=f"grad of input {k} against eager's")
 
 
 def test_backward_under_autocast_differs_from_outside():

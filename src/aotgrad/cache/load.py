@@ -120,6 +120,7 @@ def rebuild(entry: Entry, leaves: list, config: Any, backend: Any, on_backward: 
             bw_module=None,
             bw_compiler=config.bw_compiler if backward is not None else on_compiled(config.bw_compiler, backward_compiled),
             _backward=backward,
+            decompositions=config.decompositions,
             load_bw=load_bw,
             **common,
         )

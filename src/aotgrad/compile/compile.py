@@ -65,6 +65,7 @@ class CompiledForward:
     # False inside the subclass stage: its graph holds flattened subclass values, which a subclass
     # gradient run op by op would mix with (subclass/wrap.py)
     dispatch_backward: bool = True
+    decompositions: dict | None = None  # the capture's table, for a backward re-traced under autocast
     _backward: Callable | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _autocast_backwards: dict = field(default_factory=dict, repr=False)
@@ -131,7 +132,7 @@ class CompiledForward:
         key = (ambient.autocast_key(), tuple(_arg_key(a) for a in args))
         compiled = self._autocast_backwards.get(key)
         if compiled is None:
-            gm = ambient.retrace_under_autocast(self.bw_module, key[0], args)
+            gm = ambient.retrace_under_autocast(self.bw_module, key[0], args, self.decompositions)
             gm.meta[SAME_INPUTS_AS] = self.bw_module
             if not takes_functional_graphs(self.bw_compiler):
                 reinplace(gm)
@@ -180,9 +181,11 @@ def compile_training(
     keep_input_mutations: bool = False,
     make_compiled: Callable | None = None,
     keep_inplace: bool = False,
+    decompositions: dict | None = None,
 ) -> CompiledForward:
     """`make_compiled(fn)`: an aotgrad compiled function of `fn` with this signature's configuration,
-    for the differentiable backward of higher-order gradients (none without it)."""
+    for the differentiable backward of higher-order gradients (none without it). `decompositions`:
+    the capture's table, applied again where the backward is re-traced under autocast."""
     plan = captured.plan
     computed_from = _computed_from(captured.graph, plan.num_fw_outputs)
     joint_inputs = (list(example_primals), [None] * captured.num_tangents)
@@ -222,6 +225,7 @@ def compile_training(
         bw_compiler=bw_compiler,
         aot_id=aot_id,
         keep_inplace=keep_inplace,
+        decompositions=decompositions,
     )
     if pristine is not None:
         mutated = sorted(plan.primals_changed_after_forward | in_place)

@@ -86,15 +86,38 @@ def _known(device_type: str) -> bool:
         return False
 
 
-def retrace_under_autocast(gm: torch.fx.GraphModule, key: tuple, example_inputs: Sequence[Any]) -> torch.fx.GraphModule:
+def retrace_under_autocast(gm: torch.fx.GraphModule, key: tuple, example_inputs: Sequence[Any],
+                           decompositions: dict | None = None) -> torch.fx.GraphModule:
     """`gm` (a backward graph traced with autocast off) traced again under autocast state `key`:
     the casts autocast makes to its ops become nodes, as they are for eager's backward formulas,
-    which call the same ops."""
+    which call the same ops. Each value is then cast back to the dtype it has in `gm`, as eager's
+    autograd engine casts a gradient to the dtype of the forward value it is for: where the forward
+    ran an op in float32 below autocast (a disabled region, SDPA's math path on CPU), autocast
+    makes its backward matmul bfloat16, and the next formula (`_softmax_backward_data`) must get
+    float32 again. `decompositions`: the table the graph was captured with, for the casts the
+    re-trace adds (Inductor's lowers `_to_copy` only through its decomposition)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run(*args):
-        return gm(*args)
+        return _CastBack(gm).run(*args)
 
     inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs]
     with set_autocast(key):
-        return make_fx(run, tracing_mode="fake")(*inputs)
+        return make_fx(run, decomposition_table=decompositions, tracing_mode="fake")(*inputs)
+
+
+class _CastBack(torch.fx.Interpreter):
+    """Runs a graph, casting each floating-point tensor result back to its node's recorded dtype."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        return _cast_like(super().run_node(n), n.meta.get("val"))
+
+
+def _cast_like(out: Any, recorded: Any) -> Any:
+    if isinstance(out, torch.Tensor) and isinstance(recorded, torch.Tensor):
+        if out.dtype != recorded.dtype and out.is_floating_point() and recorded.is_floating_point():
+            return out.to(recorded.dtype)
+        return out
+    if isinstance(out, (tuple, list)) and isinstance(recorded, (tuple, list)) and len(out) == len(recorded):
+        return type(out)(_cast_like(o, r) for o, r in zip(out, recorded))
+    return out
