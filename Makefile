@@ -93,7 +93,7 @@ check-pretend-cudagraphs: pretend-gpu
 	scripts/pretend_gpu/run $(CUDA_VENV)/bin/python scripts/pretend_gpu/cudagraph_check.py
 
 fuzz: install
-	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER) $(if $(SUBCLASS),--subclass)
+	$(BIN)/python scripts/fuzz.py --n $(N) --seed $(SEED) --order $(ORDER) $(if $(SUBCLASS),--subclass) $(if $(AUTOCAST),--autocast)
 
 # The README's screenshot of an aotgrad.explain page: docs/explain.png, taken by headless Chromium.
 explain-demo: install

@@ -13,6 +13,7 @@ Exits 1 if anything crashed or mismatched.
     python scripts/fuzz.py --n 2000 --subclass      # inputs are TwoTensors (aotgrad.testing.fuzz.subclass)
     python scripts/fuzz.py --n 1000 --order 2 --subclass   # both
     python scripts/fuzz.py --n 2000 --dynamic       # aot_function(dynamic=True), inputs read back per call
+    python scripts/fuzz.py --n 2000 --autocast     # called and differentiated under the caller's bf16 autocast
     python scripts/fuzz.py --n 500 --closures     # every program reads closed-over state (aotgrad.testing.fuzz.closures)
 """
 
@@ -56,6 +57,8 @@ def main(argv=None) -> int:
                     help="compile with aot_function(dynamic=True) (symbolic sizes; every input read back per call)")
     ap.add_argument("--closures", action="store_true",
                     help="every program reads closed-over state (aotgrad.testing.fuzz.closures), not 15%% of them")
+    ap.add_argument("--autocast", action="store_true",
+                    help="call each program and its backward under bfloat16 autocast (aotgrad.testing.fuzz.autocast)")
     args = ap.parse_args(argv)
     if args.closures:
         from aotgrad.testing.fuzz import closures as fuzz_closures
@@ -78,7 +81,13 @@ def main(argv=None) -> int:
             check_program = functools.partial(fuzz_order2.check_program,
                                               wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
 
-    repro = {"subclass": args.subclass, "order": args.order}  # reproducers run as this run checks
+    if args.autocast:  # around any mode's check
+        import functools
+
+        from aotgrad.testing.fuzz import autocast as fuzz_autocast
+
+        check_program = functools.partial(fuzz_autocast.check_program, check=check_program)
+    repro = {"subclass": args.subclass, "order": args.order, "autocast": args.autocast}  # reproducers run as this run checks
 
     if args.show is not None:
         print(_generate(args, args.show).reproducer(backend=args.backend, **repro))
@@ -113,9 +122,10 @@ def main(argv=None) -> int:
     own = len(summary.failures)
     if args.backend and args.reference:
         # The shrunk program too: it shows the same failure under aotgrad, and may show it under
-        # the reference where the original did not (an Inductor bug reached by fewer ops).
+        # the reference where the original did not (an Inductor bug reached by fewer ops). The
+        # mode's own check, so the reference runs under the same caller state (autocast, order 2).
         shared = [f.index for f in summary.failures
-                  if any(fuzz.check_program(p, backend=args.reference).kind in ("crashed", "mismatched")
+                  if any(check_program(p, backend=args.reference).kind in ("crashed", "mismatched")
                          for p in (f.program, f.shrunk) if p is not None)]
         own -= len(shared)
         print(f"{len(shared)} of {len(summary.failures)} failures also fail under backend={args.reference!r}: {shared}")

@@ -196,6 +196,57 @@ def test_fuzz_150_programs_with_two_tensor_inputs():
     assert_fuzz_gate(summary, "TwoTensor inputs", BUDGET_SUBCLASS_SEED1_150)
 
 
+BUDGET_AUTOCAST_SEED2_300 = {
+    'UnsupportedAliasingError: an output is a view whose base was changed in place (e.g. by': 1,
+    'UnsupportedMutationError: aten.add_.Tensor writes through a view whose elements overla': 1,
+    'UnsupportedMutationError: aten.copy_.default writes into an intermediate, which shares': 1,
+    'UnsupportedMutationError: aten.fill_.Scalar uses input N (size/stride/offset ((..), (.': 1,
+    'UnsupportedMutationError: aten.fill_.Scalar writes into a view of input N, whose eleme': 1,
+    'UnsupportedMutationError: aten.fill_.Scalar writes into a view of the storage shared b': 1,
+    'UnsupportedMutationError: aten.fill_.Scalar writes through a view whose elements overl': 3,
+    'UnsupportedMutationError: aten.squeeze_.default on input N, which shares memory with a': 1,
+    'UnsupportedMutationError: aten.t_.default under no_grad on a leaf or a view that requi': 3,
+    'UnsupportedMutationError: aten.transpose_.default on input N, which shares memory with': 1,
+    'UnsupportedMutationError: aten.transpose_.default under no_grad on a leaf or a view th': 1,
+    'UnsupportedMutationError: aten.unsqueeze_.default under no_grad on a leaf or a view th': 2,
+    'UnsupportedMutationError: aten.zero_.default writes through a view whose elements over': 3,
+    'UnsupportedMutationError: functionalization cannot express this in-place program (Duri': 4,
+}
+
+
+def test_fuzz_300_programs_under_a_callers_autocast():
+    from aotgrad.testing.fuzz import autocast as fuzz_autocast
+
+    summary = fuzz.run(300, seed=2, shrink_failures=False, out_dir=None, check_fn=fuzz_autocast.check_program)
+    assert_fuzz_gate(summary, "caller's autocast", BUDGET_AUTOCAST_SEED2_300)
+
+
+def test_autocast_mode_sees_a_backward_run_without_the_callers_casts(monkeypatch):
+    """The mode can fail: a backward run as traced (autocast off), not re-traced under the caller's
+    autocast, computes the float32 region's matmul gradients in float32 where eager's backward,
+    run under the caller's autocast, computes them in bfloat16."""
+    from aotgrad.compile.compile import CompiledForward
+    from aotgrad.testing.fuzz import autocast as fuzz_autocast
+
+    region = NoGrad((Stmt("v0 = a0 @ a0.t()"),), context='torch.autocast("cpu", enabled=False)')
+    prog = _prog([region, "v1 = v0 * 3"], returns=("v1",))
+    assert fuzz_autocast.check_program(prog).kind == "matched"
+    monkeypatch.setattr(CompiledForward, "backward_under_autocast", lambda self, args: self.backward(args)(args))
+    out = fuzz_autocast.check_program(prog)
+    assert out.kind == "mismatched", out
+
+
+def test_autocast_reproducer_runs_under_the_callers_autocast(tmp_path):
+    prog = _prog(["v0 = a0 @ a0.t()"])
+    src = prog.reproducer(autocast=True)
+    assert "with callers_autocast():" in src
+    path = tmp_path / "repro.py"
+    path.write_text(src)
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "matches eager" in res.stdout
+
+
 def test_refusal_budget_fails_when_everything_is_refused(monkeypatch):
     """The gate itself: with every capture refused, the budget fails (it is not a pass)."""
     def refuse(*args, **kwargs):

@@ -89,12 +89,12 @@ class Program:
         return sum(_count(s) for s in self.body)
 
     def reproducer(self, header: str = "", backend: str | None = None, *, subclass: bool = False,
-                   order: int = 1) -> str:
+                   order: int = 1, autocast: bool = False) -> str:
         """A standalone script that runs this program as the fuzzer checked it: the same compile
         (`aot_function` options, or `torch.compile` with `backend`), the same input wrapping
-        (`subclass`: every floating tensor `make_inputs` creates a TwoTensor, fuzz_subclass.py) and
-        the same check (`order` 2: first and second gradients, fuzz_order2.py); it prints "matches
-        eager" only if that check passes."""
+        (`subclass`: every floating tensor `make_inputs` creates a TwoTensor, fuzz_subclass.py), the
+        same caller state (`autocast`: fuzz/autocast.py) and the same check (`order` 2: first and
+        second gradients, fuzz_order2.py); it prints "matches eager" only if that check passes."""
         kw = "".join(f", {k}={v!r}" for k, v in self.config)
         comment = "".join(f"# {line}\n" for line in header.splitlines())
         make = f"torch.compile(f, backend={backend!r})" if backend else f"aot_function(f, nop{kw})"
@@ -109,6 +109,12 @@ class Program:
         if subclass:
             imports += "from aotgrad.testing.fuzz.subclass import with_two_tensor_inputs\n"
             wrap = "    make_inputs = with_two_tensor_inputs(make_inputs)  # floating inputs are TwoTensors, as in the run\n"
+        indent = "        "
+        caller = ""
+        if autocast:
+            imports += "from aotgrad.testing.fuzz.autocast import callers_autocast\n"
+            caller = "        with callers_autocast():  # called and differentiated under bfloat16 autocast, as in the run\n"
+            indent += "    "
         return (
             f"{comment}import torch\n\n{imports}\n\n"
             f"{self.source()}\n\n"
@@ -116,7 +122,7 @@ class Program:
             f"{wrap}"
             f"    compiled = {make}\n"
             "    for _ in range(2):  # the second call takes the cached fast path\n"
-            f"        {check}\n"
+            f"{caller}{indent}{check}\n"
             '    print("matches eager")\n'
         )
 
