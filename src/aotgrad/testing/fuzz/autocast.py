@@ -7,7 +7,9 @@ nest inside the caller's state, and the backward takes aotgrad's re-traced path
 
 Autocast's cast cache is turned off on both sides: eager casts a leaf once per region and adds its
 uses' gradients in bfloat16, aotgrad casts it per use and adds them in float32 (a known gap,
-`test_leaf_cast_once_per_region`, upstream's too), which would otherwise be most of what a run finds.
+`test_leaf_cast_once_per_region`, upstream's too), which would otherwise be most of what a run finds. With `--order 2` the second gradients are
+compared at a bfloat16 rounding (fuzz/order2.py): aotgrad casts a value used twice once, and its
+second backward adds the uses' gradients in bfloat16 (`test_second_order_through_a_value_cast_twice`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ from .programs import Program, materialize
 
 # Second derivatives in float32 go through more rounding than the first: looser than torch's default.
 _FLOAT32 = (1e-4, 1e-4)
+# Under the caller's autocast (fuzz/autocast.py) a value cast once per use in eager is cast once by
+# aotgrad (trace/cse.py), and the second backward adds those uses' gradients in bfloat16 where eager
+# adds them in float32: a bfloat16 rounding, the known gap test_second_order_through_a_value_cast_twice.
+_FLOAT32_UNDER_AUTOCAST = (8e-3, 1e-4)
 
 
 def second_order(fn, make_inputs) -> dict[str, Any] | None:
@@ -87,7 +91,7 @@ def _close_float32(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         return
     if a.shape != b.shape or a.dtype != b.dtype:
         raise AssertionError(f"{what}: eager {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-    rtol, atol = _FLOAT32
+    rtol, atol = _FLOAT32_UNDER_AUTOCAST if torch.is_autocast_enabled("cpu") else _FLOAT32
     torch.testing.assert_close(b.detach(), a.detach(), rtol=rtol, atol=atol, equal_nan=True,
                                msg=lambda m: f"{what}: {m}")
 
