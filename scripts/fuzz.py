@@ -20,6 +20,7 @@ Exits 1 if anything crashed or mismatched.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -29,6 +30,27 @@ try:
 except ImportError:  # not installed: use the checkout's src/
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from aotgrad.testing import fuzz
+
+
+def _mode_check(args):
+    """The check this run applies to each program: the plain one, or the chosen modes' layered."""
+    check_program = fuzz.check_program
+    if args.subclass:
+        from aotgrad.testing.fuzz import subclass as fuzz_subclass
+
+        check_program = fuzz_subclass.check_program
+    if args.order == 2:
+        from aotgrad.testing.fuzz import order2 as fuzz_order2
+
+        check_program = fuzz_order2.check_program
+        if args.subclass:  # second order with TwoTensor inputs
+            check_program = functools.partial(fuzz_order2.check_program,
+                                              wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
+    if args.autocast:  # around any mode's check
+        from aotgrad.testing.fuzz import autocast as fuzz_autocast
+
+        check_program = functools.partial(fuzz_autocast.check_program, check=check_program)
+    return check_program
 
 
 def main(argv=None) -> int:
@@ -64,29 +86,7 @@ def main(argv=None) -> int:
         from aotgrad.testing.fuzz import closures as fuzz_closures
 
         fuzz_closures.PROBABILITY = 1.0
-    check_program = fuzz.check_program
-    if args.subclass:
-        from aotgrad.testing.fuzz import subclass as fuzz_subclass
-
-        check_program = fuzz_subclass.check_program
-    if args.order == 2:
-        from aotgrad.testing.fuzz import order2 as fuzz_order2
-
-        check_program = fuzz_order2.check_program
-        if args.subclass:  # second order with TwoTensor inputs
-            import functools
-
-            from aotgrad.testing.fuzz import subclass as fuzz_subclass
-
-            check_program = functools.partial(fuzz_order2.check_program,
-                                              wrap_inputs=fuzz_subclass.with_two_tensor_inputs)
-
-    if args.autocast:  # around any mode's check
-        import functools
-
-        from aotgrad.testing.fuzz import autocast as fuzz_autocast
-
-        check_program = functools.partial(fuzz_autocast.check_program, check=check_program)
+    check_program = _mode_check(args)
     repro = {"subclass": args.subclass, "order": args.order, "autocast": args.autocast}  # reproducers run as this run checks
 
     if args.show is not None:
