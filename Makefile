@@ -7,7 +7,7 @@ N ?= 2000
 SEED ?= 0
 ORDER ?= 1
 
-.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu pretend-gpu bench-pretend-gpu check-pretend-cudagraphs lint fuzz explain-demo clean
+.PHONY: install browser demo demo-small demo-distributed test test-long bench bench-gpu sweep-hf pretend-gpu bench-pretend-gpu check-pretend-cudagraphs lint fuzz explain-demo clean
 
 install: $(VENV)/.installed browser
 
@@ -44,6 +44,13 @@ test-long: install
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# ~100 transformers families, tiny, on CPU: each trains like eager under backend=$(SWEEP_BACKEND), or fails
+# the same way under $(SWEEP_REFERENCE) (benchmarks/hf_family_sweep.py; about an hour on 2 cores).
+SWEEP_BACKEND ?= aotgrad
+SWEEP_REFERENCE ?= inductor
+sweep-hf: install
+	$(BIN)/python benchmarks/hf_family_sweep.py --backend $(SWEEP_BACKEND) --reference $(SWEEP_REFERENCE) $(if $(AUTOCAST),--autocast)
 
 # GPU training suite (issue 41, benchmarks/gpu_suite.py): aotgrad vs Inductor on GPT-2, BERT, Llama, T5,
 # ResNet-50, ViT and the small GPT-2 under reduce-overhead, bf16 autocast. Runs with the GPU machine's

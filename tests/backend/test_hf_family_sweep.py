@@ -1,0 +1,62 @@
+"""The transformers family sweep (benchmarks/hf_family_sweep.py): its rows mean what they say. One
+family trains like eager through aotgrad; a backend that is off by 0.1% is caught and told apart from
+a failure the reference shares; a family this transformers cannot build, or that fails in eager
+on its tiny config, is skipped, not passed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import hf_family_sweep as sweep  # noqa: E402
+
+import aotgrad  # noqa: E402,F401 -- registers the backends
+
+
+def off_by_a_thousandth(gm, example_inputs):
+    """A wrong backend: every floating output 0.1% too large (gradients flow, scaled alike)."""
+    def run(*args):
+        return [o * 1.001 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in gm(*args)]
+    return run
+
+
+def test_a_family_trains_like_eager_under_aotgrad():
+    row = sweep.sweep_family("gpt_neox", "aotgrad_eager", "aot_eager")
+    assert row.status == "ok", row
+
+
+def test_a_wrong_backend_is_its_own_failure_and_shared_when_the_reference_is_wrong_too():
+    own = sweep.sweep_family("gpt_neox", off_by_a_thousandth, "aot_eager")
+    assert own.status == "own" and "loss" in own.message, own
+    assert "off_by_a_thousandth: loss" in own.first_step and "aot_eager: loss 0.0e+00" in own.first_step
+    shared = sweep.sweep_family("gpt_neox", off_by_a_thousandth, off_by_a_thousandth)
+    assert shared.status == "shared", shared
+
+
+def test_a_family_that_cannot_be_built_is_skipped():
+    assert sweep.sweep_family("no_such_family", "aotgrad_eager", "aot_eager").status == "skipped"
+
+
+def test_a_family_whose_tiny_config_fails_in_eager_is_skipped_not_blamed(monkeypatch):
+    class FailsInEager(torch.nn.Module):
+        def forward(self, **inputs):
+            raise RuntimeError("The size of tensor a (32) must match the size of tensor b (8)")
+
+    monkeypatch.setattr(sweep, "build", lambda family: (FailsInEager(), "causal"))
+    row = sweep.sweep_family("gpt_neox", "aotgrad_eager", "aot_eager")
+    assert row.status == "skipped" and row.message.startswith("eager: RuntimeError: The size"), row
+
+
+def test_main_exits_1_only_on_a_failure_of_the_backends_own(capsys, monkeypatch):
+    assert sweep.main(["--backend", "aotgrad_eager", "--reference", "aot_eager", "--families", "gpt_neox"]) == 0
+    assert "1 families under backend='aotgrad_eager': 1 ok, 0 shared, 0 own, 0 skipped" in capsys.readouterr().out
+    monkeypatch.setattr(sweep, "sweep_family", lambda *args, **kw: sweep.Row("gpt_neox", "own", message="loss"))
+    assert sweep.main(["--families", "gpt_neox"]) == 1
+    assert "0 ok, 0 shared, 1 own, 0 skipped" in capsys.readouterr().out
