@@ -5,6 +5,7 @@ on its tiny config, is skipped, not passed."""
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -38,6 +39,18 @@ def test_a_wrong_backend_is_its_own_failure_and_shared_when_the_reference_is_wro
     assert "off_by_a_thousandth: loss" in own.first_step and "aot_eager: loss 0.0e+00" in own.first_step
     shared = sweep.sweep_family("gpt_neox", off_by_a_thousandth, off_by_a_thousandth)
     assert shared.status == "shared", shared
+
+
+def test_an_empty_parameter_is_compared_not_a_crash_of_the_harness():
+    """MobileBERT has a (0, 128) weight: its empty gradient once made the sweep blame both backends."""
+    eager = torch.nn.ModuleDict(dict(empty=torch.nn.Linear(128, 0), full=torch.nn.Linear(4, 3)))
+    model = copy.deepcopy(eager)
+    for p in [*eager.parameters(), *model.parameters()]:
+        p.grad = torch.ones_like(p)
+    sweep._grads_close(eager, model)
+    model.full.weight.grad[0, 0] += 1e-2
+    with pytest.raises(AssertionError, match="full.weight"):
+        sweep._grads_close(eager, model)
 
 
 def test_a_family_that_cannot_be_built_is_skipped():
