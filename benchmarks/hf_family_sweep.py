@@ -54,6 +54,17 @@ FAMILIES = {
 }
 KIND = {fam: kind for kind, fams in FAMILIES.items() for fam in fams}
 _T5_LIKE = ("t5", "mt5", "umt5", "longt5", "switch_transformers")  # encoder/decoder_layers mean something else
+# Families whose config reads the shared keys differently: keys dropped, then keys set.
+_DROP = {"falcon": ("head_dim",),  # a property there
+         "funnel": ("num_hidden_layers",),  # block_sizes instead
+         "deepseek_v3": ("head_dim", "partial_rotary_factor", "rotary_dim")}  # its own q/k/v head sizes
+_SET = {"funnel": dict(block_sizes=[1, 1], d_head=16, n_head=4, d_inner=128),
+        "dbrx": dict(n_heads=4, n_layers=2, max_seq_len=64,
+                     attn_config=dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0),
+                     ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+        "deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32,
+                            n_routed_experts=4, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1,
+                            topk_group=1)}
 _RANDOM = ("dropout", "pdrop", "drop_path", "layerdrop", "jitter")  # config floats zeroed: eager must be repeatable
 
 
@@ -74,6 +85,9 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
     kw = dict(num_labels=10, image_size=32) if kind == "img" else dict(_TEXT)
     if family in _T5_LIKE:
         kw.pop("encoder_layers"), kw.pop("decoder_layers")
+    for key in _DROP.get(family, ()):
+        kw.pop(key)
+    kw.update(_SET.get(family, {}))
     cfg = transformers.AutoConfig.for_model(family, **kw)
     for k, v in list(vars(cfg).items()):
         if isinstance(v, float) and any(word in k for word in _RANDOM):
@@ -85,7 +99,10 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
     if isinstance(cls, (tuple, list)):
         cls = cls[0]
     torch.manual_seed(0)
-    return cls(cfg), kind
+    model = cls(cfg)
+    if hasattr(model, "set_default_language"):  # X-MOD's adapters are per language
+        model.set_default_language(cfg.languages[0])
+    return model, kind
 
 
 def batch(kind: str, size: int, seed: int) -> dict[str, torch.Tensor]:
