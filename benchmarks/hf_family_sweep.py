@@ -53,9 +53,9 @@ FAMILIES = {
             "focalnet", "bit", "dinat", "vit_msn", "mobilenet_v1", "van", "resnet", "hiera", "textnet"],
 }
 KIND = {fam: kind for kind, fams in FAMILIES.items() for fam in fams}
-_T5_LIKE = ("t5", "mt5", "umt5", "longt5", "switch_transformers")  # encoder/decoder_layers mean something else
 # Families whose config reads the shared keys differently: keys dropped, then keys set.
-_DROP = {"falcon": ("head_dim",),  # a property there
+_DROP = {**{t5: ("encoder_layers", "decoder_layers") for t5 in ("t5", "mt5", "umt5", "longt5", "switch_transformers")},
+         "falcon": ("head_dim",),  # a property there
          "funnel": ("num_hidden_layers",),  # block_sizes instead
          "deepseek_v3": ("head_dim", "partial_rotary_factor", "rotary_dim")}  # its own q/k/v head sizes
 _SET = {"funnel": dict(block_sizes=[1, 1], d_head=16, n_head=4, d_inner=128),
@@ -83,8 +83,6 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
 
     kind = KIND[family]
     kw = dict(num_labels=10, image_size=32) if kind == "img" else dict(_TEXT)
-    if family in _T5_LIKE:
-        kw.pop("encoder_layers"), kw.pop("decoder_layers")
     for key in _DROP.get(family, ()):
         kw.pop(key)
     kw.update(_SET.get(family, {}))
