@@ -8,7 +8,8 @@ loss, gradient and float buffer against eager's. A family that misses fp32 eager
 check: its first step against an fp64 eager copy, torch's benchmark accuracy rule (`fp64_check`);
 passing it, the row says *fp64*. Otherwise the family is re-run under REFERENCE, and the row says
 whether the failure is *shared* or aotgrad's *own*, with each backend's worst tensor against fp64.
-Exits 1 if a family fails under BACKEND alone.
+Each family runs in a child process: one whose process dies (a compiled kernel corrupting the heap)
+is a row, re-run alone under REFERENCE. Exits 1 if a family fails under BACKEND alone.
 
     make sweep-hf                                              # aotgrad vs inductor, every family
     python benchmarks/hf_family_sweep.py --backend aotgrad_eager --reference aot_eager --kinds img
@@ -22,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
+import subprocess
 import sys
 import time
 import warnings
@@ -67,6 +71,25 @@ _SET = {"funnel": dict(block_sizes=[1, 1], d_head=16, n_head=4, d_inner=128),
         "deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=32,
                             n_routed_experts=4, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1,
                             topk_group=1)}
+# Image families: their own configs shrunk to the text families' size (the defaults are full models,
+# up to EfficientNet-B7's 64M parameters); mobilenet_v1 and v2 are small as they are.
+_VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, patch_size=8)
+_STAGES = dict(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1])
+_WINDOWS = dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4)
+_SET.update({vit: _VIT for vit in ("vit", "deit", "beit", "dinov2", "data2vec-vision", "vit_msn")})
+_SET.update({fam: _STAGES for fam in ("convnext", "convnextv2", "poolformer")})
+_SET.update({"swin": _WINDOWS, "swinv2": _WINDOWS,
+             "regnet": dict(_STAGES, embedding_size=16, groups_width=8),
+             "resnet": dict(_STAGES, embedding_size=16),
+             "bit": dict(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], embedding_size=32, num_groups=8),
+             "pvt": dict(_STAGES, num_attention_heads=[1, 2, 4, 8]),
+             "focalnet": dict(embed_dim=16, depths=[1, 1], focal_levels=[2, 2], focal_windows=[3, 3]),
+             "efficientnet": dict(width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320),
+             "cvt": dict(embed_dim=[16, 32, 64], num_heads=[1, 2, 4], depth=[1, 2, 3]),  # stage i reads rate i
+             "hiera": dict(image_size=[32, 32], embed_dim=16, depths=[1, 1, 1, 1]),
+             "levit": dict(hidden_sizes=[32, 64, 96], num_attention_heads=[2, 4, 6], depths=[1, 1, 1], key_dim=[8] * 3),
+             "mobilevit": dict(hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 40, 48, 128]),
+             "textnet": dict(stem_out_channels=16, hidden_sizes=[16, 16, 32, 64, 128])})
 _RANDOM = ("dropout", "pdrop", "drop_path", "layerdrop", "jitter")  # config floats zeroed: eager must be repeatable
 
 
@@ -77,7 +100,7 @@ class Row:
     #              fails both checks too); "own"; "skipped" (eager cannot build or train it)
     seconds: float = 0.0
     message: str = ""
-    fp64: str = ""  # for failures: each backend's first step against fp64 eager (fp64_check)
+    fp64: str = ""  # for failures: each backend against fp64 eager (fp64_check), or the reference alone
 
 
 def build(family: str) -> tuple[torch.nn.Module, str]:
@@ -91,8 +114,8 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
     kw.update(_SET.get(family, {}))
     cfg = transformers.AutoConfig.for_model(family, **kw)
     for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and any(word in k for word in _RANDOM):
-            setattr(cfg, k, 0.0)
+        if any(word in k for word in _RANDOM) and isinstance(v, (float, list)):  # CvT has a rate per stage
+            setattr(cfg, k, 0.0 if isinstance(v, float) else [0.0 if isinstance(x, float) else x for x in v])
     cfg.use_cache = False
     auto = dict(causal=transformers.AutoModelForCausalLM, mlm=transformers.AutoModelForMaskedLM,
                 s2s=transformers.AutoModelForSeq2SeqLM, img=transformers.AutoModelForImageClassification)[kind]
@@ -249,7 +272,7 @@ def sweep_family(family: str, backend, reference, autocast: bool = False) -> Row
     if not autocast:
         passes, verdict = fp64_check(family, backend)
         if passes:
-            return Row(family, "fp64", time.perf_counter() - t0, message, f"{_name(backend)}: {verdict}")
+            return Row(family, "fp64", time.perf_counter() - t0, message, f"against fp64: {_name(backend)}: {verdict}")
     try:
         train_like_eager(family, reference, autocast)
         reference_passes, reference_verdict = True, "trains like eager"
@@ -258,12 +281,41 @@ def sweep_family(family: str, backend, reference, autocast: bool = False) -> Row
         if not autocast:
             reference_passes, reference_verdict = fp64_check(family, reference)
     status = "own" if reference_passes else "shared"
-    fp64 = f"{_name(backend)}: {verdict}; {_name(reference)}: {reference_verdict}"
+    fp64 = f"against fp64: {_name(backend)}: {verdict}; {_name(reference)}: {reference_verdict}"
     return Row(family, status, time.perf_counter() - t0, message, fp64)
 
 
 def _name(backend) -> str:
     return backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+
+
+_ROW = "hf_family_sweep row: "  # the line a child process reports its row on
+
+
+def _child(command: list[str]) -> tuple[Row | None, str]:
+    """Run one family's sweep in a child process: its row, or None and why the process died."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    rows = [line[len(_ROW):] for line in done.stdout.splitlines() if line.startswith(_ROW)]
+    if rows:
+        return Row(**json.loads(rows[-1])), ""
+    last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
+    return None, f"process died (exit {done.returncode}): {last[0][:160]}"
+
+
+def sweep_family_isolated(family: str, backend: str, reference: str, autocast: bool = False) -> Row:
+    """`sweep_family` in a child process, so that a crash (a compiled kernel corrupting the heap
+    aborts the interpreter) is a row, not the end of the sweep. A family whose process dies under
+    BACKEND is re-run alone under REFERENCE: *own* if that one trains like eager, else *shared*."""
+    t0 = time.perf_counter()
+    command = [sys.executable, __file__, "--one", "--families", family, "--reference", reference]
+    row, died = _child([*command, "--backend", backend] + (["--autocast"] if autocast else []))
+    if row is not None:
+        return row
+    again, reference_died = _child([*command, "--backend", reference] + (["--autocast"] if autocast else []))
+    status = "own" if again is not None and again.status in ("ok", "fp64") else "shared"
+    verdict = reference_died or f"{again.status} {again.message}".strip()
+    return Row(family, status, time.perf_counter() - t0, f"{_name(backend)}: {died}",
+               f"{_name(reference)} alone: {verdict[:200]}")
 
 
 def main(argv=None) -> int:
@@ -273,17 +325,24 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default="", help="comma-separated (default: every family of --kinds)")
     ap.add_argument("--kinds", default="causal,mlm,s2s,img")
     ap.add_argument("--autocast", action="store_true", help="bf16 CPU autocast (losses at 2e-2, no gradient check)")
+    ap.add_argument("--in-process", action="store_true", help="every family in this process (a crash ends the sweep)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one family, its row as JSON
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import aotgrad  # noqa: F401 -- registers the torch.compile backends
 
     families = args.families.split(",") if args.families else [
         f for kind in args.kinds.split(",") for f in FAMILIES[kind]]
+    if args.one:
+        row = sweep_family(families[0], args.backend, args.reference, args.autocast)
+        print(_ROW + json.dumps(dataclasses.asdict(row)), flush=True)
+        return 0
+    run = sweep_family if args.in_process else sweep_family_isolated
     rows = []
     for family in families:
-        row = sweep_family(family, args.backend, args.reference, args.autocast)
+        row = run(family, args.backend, args.reference, args.autocast)
         rows.append(row)
-        detail = f" {row.message}" + (f"\n{'':24}against fp64: {row.fp64}" if row.fp64 else "")
+        detail = f" {row.message}" + (f"\n{'':24}{row.fp64}" if row.fp64 else "")
         print(f"{family:22s} {row.status:8s} {row.seconds:5.0f}s{detail if row.status != 'ok' else ''}", flush=True)
     counts = {s: sum(r.status == s for r in rows) for s in ("ok", "fp64", "shared", "own", "skipped")}
     print(f"{len(rows)} families under backend={args.backend!r}: " + ", ".join(f"{n} {s}" for s, n in counts.items())

@@ -105,9 +105,31 @@ def test_a_family_whose_tiny_config_fails_in_eager_is_skipped_not_blamed(monkeyp
     assert row.status == "skipped" and row.message.startswith("eager: RuntimeError: The size"), row
 
 
+def test_a_child_process_that_dies_is_reported_not_the_end_of_the_sweep():
+    row, died = sweep._child([sys.executable, "-c", "import os, sys; print('compiling', file=sys.stderr); os.abort()"])
+    assert row is None and died.startswith("process died (exit -6)") and "compiling" in died, died
+    row, died = sweep._child([sys.executable, "-c", f"print({sweep._ROW!r} + '{{\"family\": \"f\", \"status\": \"ok\"}}')"])
+    assert row == sweep.Row("f", "ok") and died == ""
+
+
+def test_a_family_whose_process_dies_under_the_backend_only_is_its_own(monkeypatch):
+    """A heap corruption in a compiled kernel (swinv2 under aotgrad, session 35) aborts the process."""
+    def child(command):
+        backend = command[command.index("--backend") + 1]
+        return (None, "process died (exit -6): free(): invalid next size") if backend == "aotgrad" else (
+            sweep.Row("swinv2", reference_status), "")
+
+    monkeypatch.setattr(sweep, "_child", child)
+    reference_status = "ok"
+    row = sweep.sweep_family_isolated("swinv2", "aotgrad", "inductor")
+    assert row.status == "own" and "free(): invalid next size" in row.message and "inductor alone: ok" in row.fp64, row
+    reference_status = "shared"
+    assert sweep.sweep_family_isolated("swinv2", "aotgrad", "inductor").status == "shared"
+
+
 def test_main_exits_1_only_on_a_failure_of_the_backends_own(capsys, monkeypatch):
     assert sweep.main(["--backend", "aotgrad_eager", "--reference", "aot_eager", "--families", "gpt_neox"]) == 0
     assert "1 families under backend='aotgrad_eager': 1 ok, 0 fp64, 0 shared, 0 own, 0 skipped" in capsys.readouterr().out
     monkeypatch.setattr(sweep, "sweep_family", lambda *args, **kw: sweep.Row("gpt_neox", "own", message="loss"))
-    assert sweep.main(["--families", "gpt_neox"]) == 1
+    assert sweep.main(["--families", "gpt_neox", "--in-process"]) == 1
     assert "0 ok, 0 fp64, 0 shared, 1 own, 0 skipped" in capsys.readouterr().out
