@@ -46,7 +46,7 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 # ~100 transformers families, tiny, on CPU: each trains like eager under backend=$(SWEEP_BACKEND), or fails
-# the same way under $(SWEEP_REFERENCE) (benchmarks/hf_family_sweep.py; 93 families took 84 min on 2 cores, the image ones are the slowest).
+# the same way under $(SWEEP_REFERENCE) (benchmarks/hf_family_sweep.py; 93 families took 84 min on 2 cores; 26 image families 52 min over three runs).
 SWEEP_BACKEND ?= aotgrad
 SWEEP_REFERENCE ?= inductor
 sweep-hf: install
