@@ -292,9 +292,16 @@ def _name(backend) -> str:
 _ROW = "hf_family_sweep row: "  # the line a child process reports its row on
 
 
-def _child(command: list[str]) -> tuple[Row | None, str]:
-    """Run one family's sweep in a child process: its row, or None and why the process died."""
-    done = subprocess.run(command, capture_output=True, text=True)
+FAMILY_TIMEOUT_S = 900
+
+
+def _child(command: list[str], timeout_s: float = FAMILY_TIMEOUT_S) -> tuple[Row | None, str]:
+    """Run one family's sweep in a child process: its row, or None and why the process died (or
+    was stopped after `timeout_s`: funnel's compile sits in Inductor's C++ tiling for over 15 min)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"no row after {timeout_s:.0f} s (stopped)"
     rows = [line[len(_ROW):] for line in done.stdout.splitlines() if line.startswith(_ROW)]
     if rows:
         return Row(**json.loads(rows[-1])), ""
@@ -302,16 +309,19 @@ def _child(command: list[str]) -> tuple[Row | None, str]:
     return None, f"process died (exit {done.returncode}): {last[0][:160]}"
 
 
-def sweep_family_isolated(family: str, backend: str, reference: str, autocast: bool = False) -> Row:
+def sweep_family_isolated(family: str, backend: str, reference: str, autocast: bool = False,
+                          timeout_s: float = FAMILY_TIMEOUT_S) -> Row:
     """`sweep_family` in a child process, so that a crash (a compiled kernel corrupting the heap
-    aborts the interpreter) is a row, not the end of the sweep. A family whose process dies under
-    BACKEND is re-run alone under REFERENCE: *own* if that one trains like eager, else *shared*."""
+    aborts the interpreter) or a compile that does not end is a row, not the end of the sweep. A
+    family whose process dies under BACKEND is re-run alone under REFERENCE, with the same time
+    limit: *own* if that one trains like eager, else *shared*."""
     t0 = time.perf_counter()
     command = [sys.executable, __file__, "--one", "--families", family, "--reference", reference]
-    row, died = _child([*command, "--backend", backend] + (["--autocast"] if autocast else []))
+    row, died = _child([*command, "--backend", backend] + (["--autocast"] if autocast else []), timeout_s)
     if row is not None:
         return row
-    again, reference_died = _child([*command, "--backend", reference] + (["--autocast"] if autocast else []))
+    again, reference_died = _child([*command, "--backend", reference] + (["--autocast"] if autocast else []),
+                                   timeout_s)
     status = "own" if again is not None and again.status in ("ok", "fp64") else "shared"
     verdict = reference_died or f"{again.status} {again.message}".strip()
     return Row(family, status, time.perf_counter() - t0, f"{_name(backend)}: {died}",
@@ -326,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="causal,mlm,s2s,img")
     ap.add_argument("--autocast", action="store_true", help="bf16 CPU autocast (losses at 2e-2, no gradient check)")
     ap.add_argument("--in-process", action="store_true", help="every family in this process (a crash ends the sweep)")
+    ap.add_argument("--family-timeout", type=float, default=FAMILY_TIMEOUT_S,
+                    help="seconds a family's child process may run (default %(default)s)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one family, its row as JSON
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -337,10 +349,12 @@ def main(argv=None) -> int:
         row = sweep_family(families[0], args.backend, args.reference, args.autocast)
         print(_ROW + json.dumps(dataclasses.asdict(row)), flush=True)
         return 0
-    run = sweep_family if args.in_process else sweep_family_isolated
     rows = []
     for family in families:
-        row = run(family, args.backend, args.reference, args.autocast)
+        if args.in_process:
+            row = sweep_family(family, args.backend, args.reference, args.autocast)
+        else:
+            row = sweep_family_isolated(family, args.backend, args.reference, args.autocast, args.family_timeout)
         rows.append(row)
         detail = f" {row.message}" + (f"\n{'':24}{row.detail}" if row.detail else "")
         print(f"{family:22s} {row.status:8s} {row.seconds:5.0f}s{detail if row.status != 'ok' else ''}", flush=True)

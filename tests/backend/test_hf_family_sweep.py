@@ -11,6 +11,7 @@ import copy
 import os
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -112,9 +113,17 @@ def test_a_child_process_that_dies_is_reported_not_the_end_of_the_sweep():
     assert row == sweep.Row("f", "ok") and died == ""
 
 
+def test_a_child_process_past_its_time_limit_is_stopped_and_reported():
+    """funnel's compile sat in Inductor's C++ tiling selection for over 15 min, under both backends."""
+    t0 = time.perf_counter()
+    row, died = sweep._child([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1)
+    assert row is None and died == "no row after 1 s (stopped)", died
+    assert time.perf_counter() - t0 < 30
+
+
 def test_a_family_whose_process_dies_under_the_backend_only_is_its_own(monkeypatch):
     """A heap corruption in a compiled kernel (swinv2 under aotgrad, session 35) aborts the process."""
-    def child(command):
+    def child(command, timeout_s):
         backend = command[command.index("--backend") + 1]
         return (None, "process died (exit -6): free(): invalid next size") if backend == "aotgrad" else (
             sweep.Row("swinv2", reference_status), "")
