@@ -47,7 +47,7 @@ bench: install
 
 # ~100 transformers families, tiny, on CPU: each trains like eager under backend=$(SWEEP_BACKEND), or fails
 # the same way under $(SWEEP_REFERENCE) (benchmarks/hf_family_sweep.py; 93 families took 84 min on 2 cores; 26 image families 52 min over three runs).
-# A family still compiling after 15 min (funnel, under both backends) is stopped and becomes a row.
+# A family still running after 15 min is stopped and becomes a row (funnel: neither backend finished a first step in 5 min).
 SWEEP_BACKEND ?= aotgrad
 SWEEP_REFERENCE ?= inductor
 sweep-hf: install
