@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from ..torch_compat import optimization_hint
+from ..trace.analysis import is_view_op
 
 log = logging.getLogger("aotgrad.inductor")
 
@@ -130,10 +131,8 @@ def _reads_transposed(values: torch.fx.Node) -> bool:
 
 
 def _fusible(target: torch._ops.OpOverload) -> bool:
-    if torch.Tag.pointwise in target.tags:
+    if torch.Tag.pointwise in target.tags or is_view_op(target):
         return True
-    if any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns):
-        return True  # a view
     return target.overloadpacket.__name__ in _FUSIBLE_NAMES
 
 
