@@ -51,7 +51,8 @@ FAMILIES = {
     "mlm": ["bert", "distilbert", "roberta", "albert", "electra", "deberta", "deberta-v2", "mobilebert",
             "xlm-roberta", "mpnet", "convbert", "funnel", "camembert", "ernie", "megatron-bert", "roformer",
             "squeezebert", "nystromformer", "yoso", "modernbert", "rembert", "data2vec-text", "xmod", "big_bird",
-            "longformer", "canine"],
+            "longformer"],
+    "tok": ["canine"],  # no masked-LM head: a token-classification one
     "s2s": ["t5", "bart", "mt5", "marian", "pegasus", "mbart", "blenderbot", "prophetnet", "led", "m2m_100",
             "plbart", "umt5", "longt5", "switch_transformers"],
     "img": ["vit", "deit", "beit", "swin", "convnext", "convnextv2", "regnet", "mobilevit", "mobilenet_v2",
@@ -63,8 +64,13 @@ KIND = {fam: kind for kind, fams in FAMILIES.items() for fam in fams}
 _DROP = {**{t5: ("encoder_layers", "decoder_layers") for t5 in ("t5", "mt5", "umt5", "longt5", "switch_transformers")},
          "falcon": ("head_dim",),  # a property there
          "funnel": ("num_hidden_layers",),  # block_sizes instead
+         "prophetnet": ("num_hidden_layers", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                        "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim"),  # its own names
          "deepseek_v3": ("head_dim", "partial_rotary_factor", "rotary_dim")}  # its own q/k/v head sizes
 _SET = {"funnel": dict(block_sizes=[1, 1], d_head=16, n_head=4, d_inner=128),
+        "prophetnet": dict(num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=4,
+                           num_decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, ngram=2,
+                           num_buckets=8, relative_max_distance=16),
         "dbrx": dict(n_heads=4, n_layers=2, max_seq_len=64,
                      attn_config=dict(rope_theta=10000.0, kv_n_heads=2, clip_qkv=8.0),
                      ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
@@ -118,7 +124,8 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
             setattr(cfg, k, 0.0 if isinstance(v, float) else [0.0 if isinstance(x, float) else x for x in v])
     cfg.use_cache = False
     auto = dict(causal=transformers.AutoModelForCausalLM, mlm=transformers.AutoModelForMaskedLM,
-                s2s=transformers.AutoModelForSeq2SeqLM, img=transformers.AutoModelForImageClassification)[kind]
+                s2s=transformers.AutoModelForSeq2SeqLM, tok=transformers.AutoModelForTokenClassification,
+                img=transformers.AutoModelForImageClassification)[kind]
     cls = auto._model_mapping[type(cfg)]
     if isinstance(cls, (tuple, list)):
         cls = cls[0]
@@ -135,7 +142,7 @@ def batch(kind: str, size: int, seed: int) -> dict[str, torch.Tensor]:
         return dict(pixel_values=torch.randn(size, 3, 32, 32, generator=g),
                     labels=torch.randint(0, 10, (size,), generator=g))
     tokens = torch.randint(1, V, (size, 16), generator=g)
-    labels = torch.randint(1, V, (size, 8), generator=g) if kind == "s2s" else tokens
+    labels = torch.randint(1, V, (size, 8), generator=g) if kind == "s2s" else tokens % 10 if kind == "tok" else tokens
     return dict(input_ids=tokens, labels=labels)
 
 
@@ -333,7 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="aotgrad")
     ap.add_argument("--reference", default="inductor", help="backend a failing family is re-run under")
     ap.add_argument("--families", default="", help="comma-separated (default: every family of --kinds)")
-    ap.add_argument("--kinds", default="causal,mlm,s2s,img")
+    ap.add_argument("--kinds", default="causal,mlm,s2s,tok,img")
     ap.add_argument("--autocast", action="store_true", help="bf16 CPU autocast (losses at 2e-2, no gradient check)")
     ap.add_argument("--in-process", action="store_true", help="every family in this process (a crash ends the sweep)")
     ap.add_argument("--family-timeout", type=float, default=FAMILY_TIMEOUT_S,
