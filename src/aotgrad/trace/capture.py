@@ -58,6 +58,7 @@ from .modes import Functionalize, TraceHooks, overlaps_itself
 from .outputs import _analyse_outputs
 from .state import BACKWARD_MUTATION, INPUT_CLONE, NeedsSyntheticBase, NeedsTraining, _Forward, _node_of
 from .tracer import LeanTracer
+from .view_roundtrips import fold_view_roundtrips
 
 
 def make_fake_mode(leaves: Sequence[Any]) -> FakeTensorMode:
@@ -478,6 +479,7 @@ def _finish_graph(gm: torch.fx.GraphModule, in_graph_mutated: set[int]) -> None:
             if same and k not in in_graph_mutated:
                 n.replace_all_uses_with(src)
                 graph.erase_node(n)
+    fold_view_roundtrips(graph)
     _copy_before_unviewable_views(graph)
     drop_unread_running_stats(graph)
     graph.eliminate_dead_code()
