@@ -157,7 +157,8 @@ def _drop_overwritten_scatter(node: Node, written: set[Node]) -> int:
     (and `slice_scatter(slice_backward(s1, r), s2, r)`, a scatter into zeros, is `slice_backward(s2, r)`)."""
     padded = _scatter_under(node.args[0], aten.slice_backward.default)
     if padded is not None and _same_range(_slice_range(padded, padded.args[2:]), _slice_range(node.args[0], node.args[2:])):
-        if _same_shape(padded, node) and _same_shape(padded.args[0], node.args[1]):
+        src = node.args[1]
+        if _same_shape(padded, node) and _same_shape(padded.args[0], src) and _same_kind(src, node):
             node.target = aten.slice_backward.default
             node.args = (node.args[1], padded.args[1], *padded.args[2:])
             return 1
