@@ -332,6 +332,11 @@ def _is_view_backward(name: str) -> bool:
 
 
 
+def can_view(value: torch.Tensor, shape) -> bool:
+    """Whether `value.view(shape)` works, by ATen's rule; True where a size is symbolic (left be)."""
+    return view_possible(value.shape, value.stride(), shape) is not False
+
+
 def view_possible(size, stride, shape) -> bool | None:
     """Whether `view(shape)` works on a tensor laid out as (size, stride), by ATen's rule (None when a
     size is symbolic). Fake tensors answer wrongly for some layouts with stride-0 dimensions (an

@@ -496,7 +496,7 @@ def _copy_before_unviewable_views(graph: torch.fx.Graph) -> None:
         if n.target is not torch.ops.aten.view.default or not isinstance(n.args[0], torch.fx.Node):
             continue
         src = n.args[0].meta.get("val")
-        if not isinstance(src, torch.Tensor) or src.is_contiguous() or _can_view(src, n.args[1]):
+        if not isinstance(src, torch.Tensor) or src.is_contiguous() or analysis.can_view(src, n.args[1]):
             continue
         with graph.inserting_before(n):
             dense = graph.call_function(
@@ -504,7 +504,3 @@ def _copy_before_unviewable_views(graph: torch.fx.Graph) -> None:
             )
         dense.meta["val"] = src.clone(memory_format=torch.contiguous_format)
         n.replace_input_with(n.args[0], dense)
-
-
-def _can_view(src: torch.Tensor, shape) -> bool:
-    return analysis.view_possible(src.shape, src.stride(), shape) is not False  # symbolic: leave it be

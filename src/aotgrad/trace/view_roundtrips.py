@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from torch.fx import Graph, Node
 
-from .analysis import view_possible
+from .analysis import can_view
 from .cse import _DISTINGUISHING_META, _note_writes, _root, _values_reaching_outputs
 from .state import BACKWARD_MUTATION, INPUT_CLONE
 
@@ -96,7 +96,7 @@ def _refresh_layouts(graph: Graph, start: set[Node]) -> None:
             continue
         old = node.meta.get("val")
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        if node.target is aten.view.default and not args[0].is_contiguous() and not _viewable(args[0], args[1]):
+        if node.target is aten.view.default and not args[0].is_contiguous() and not can_view(args[0], args[1]):
             args = (args[0].contiguous(), *args[1:])
         new = node.target(*args, **kwargs)
         node.meta["val"] = new
@@ -315,10 +315,6 @@ def _layout_of(val: torch.Tensor):
 
 def _same_layout(a, b) -> bool:
     return a is not None and b is not None and all(_shapes_equal(x, y) for x, y in zip(a, b))
-
-
-def _viewable(val: torch.Tensor, shape) -> bool:
-    return view_possible(val.shape, val.stride(), shape) is not False
 
 
 def _shape(value) -> tuple | None:
