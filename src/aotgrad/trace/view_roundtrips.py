@@ -222,8 +222,6 @@ def _same_shape_up(value: Node, shape, want=None) -> Node | None:
                 return node
         if node.op != "call_function" or node.target not in _SAME_ORDER or not isinstance(node.args[0], Node):
             break
-        if node.target is aten.view.default and len(node.args) > 1 and not isinstance(node.args[1], (list, tuple)):
-            break  # view(dtype)
         node = node.args[0]
     return found
 
