@@ -263,7 +263,10 @@ def _message(ex: Exception) -> str:
     return f"{type(ex).__name__}: {' | '.join(str(ex).strip().splitlines()[:3])[:240]}"
 
 
-def sweep_family(family: str, backend, reference, autocast: bool = False) -> Row:
+def sweep_family(family: str, backend, reference, autocast: bool = False, on_own_failure=None) -> Row:
+    """The family's row. `on_own_failure(row)` hears of a failure of BACKEND's own (status
+    "failing") before REFERENCE runs: a reference that then does not end (funnel under Inductor)
+    must not hide which check BACKEND failed."""
     t0 = time.perf_counter()
     try:  # under the sweep's autocast too: a model whose eager step fails under it is not a backend's row
         model, kind = build(family)
@@ -282,6 +285,9 @@ def sweep_family(family: str, backend, reference, autocast: bool = False) -> Row
         passes, verdict = fp64_check(family, backend)
         if passes:
             return Row(family, "fp64", time.perf_counter() - t0, message, f"against fp64: {_name(backend)}: {verdict}")
+    if on_own_failure is not None:
+        on_own_failure(Row(family, "failing", time.perf_counter() - t0, message,
+                           f"against fp64: {_name(backend)}: {verdict}"))
     try:
         train_like_eager(family, reference, autocast)
         reference_passes, reference_verdict = True, "trains like eager"
@@ -305,17 +311,26 @@ FAMILY_TIMEOUT_S = 900
 
 
 def _child(command: list[str], timeout_s: float = FAMILY_TIMEOUT_S) -> tuple[Row | None, str]:
-    """Run one family's sweep in a child process: its row, or None and why the process died (or
-    was stopped after `timeout_s`: funnel's compile sits in Inductor's C++ tiling for over 15 min)."""
+    """Run one family's sweep in a child process: its row and "", or its provisional "failing" row
+    (or None) and why the process died or was stopped after `timeout_s` (funnel's compile sits in
+    Inductor's C++ tiling for over 15 min)."""
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None, f"no row after {timeout_s:.0f} s (stopped)"
-    rows = [line[len(_ROW):] for line in done.stdout.splitlines() if line.startswith(_ROW)]
-    if rows:
-        return Row(**json.loads(rows[-1])), ""
+    except subprocess.TimeoutExpired as ex:  # its output so far is bytes, whatever `text` says
+        out = ex.stdout.decode(errors="replace") if isinstance(ex.stdout, bytes) else ex.stdout or ""
+        return _last_row(out), f"no row after {timeout_s:.0f} s (stopped)"
+    row = _last_row(done.stdout)
+    if row is not None and row.status != "failing":
+        return row, ""
     last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
-    return None, f"process died (exit {done.returncode}): {last[0][:160]}"
+    return row, f"process died (exit {done.returncode}): {last[0][:160]}"
+
+
+def _last_row(stdout: str) -> Row | None:
+    """The last row a child printed: its final one, or the provisional "failing" one it printed
+    before running the reference."""
+    rows = [line[len(_ROW):] for line in stdout.splitlines() if line.startswith(_ROW)]
+    return Row(**json.loads(rows[-1])) if rows else None
 
 
 def sweep_family_isolated(family: str, backend: str, reference: str, autocast: bool = False,
@@ -323,10 +338,14 @@ def sweep_family_isolated(family: str, backend: str, reference: str, autocast: b
     """`sweep_family` in a child process, so that a crash (a compiled kernel corrupting the heap
     aborts the interpreter) or a compile that does not end is a row, not the end of the sweep. A
     family whose process dies under BACKEND is re-run alone under REFERENCE, with the same time
-    limit: *own* if that one trains like eager, else *shared*."""
+    limit: *own* if that one trains like eager, else *shared*. One that failed a check of its own
+    and then died or was stopped under REFERENCE is *shared*, with BACKEND's failure as its message."""
     t0 = time.perf_counter()
     command = [sys.executable, __file__, "--one", "--families", family, "--reference", reference]
     row, died = _child([*command, "--backend", backend] + (["--autocast"] if autocast else []), timeout_s)
+    if row is not None and row.status == "failing":  # BACKEND failed a check; REFERENCE then died or did not end
+        return Row(family, "shared", time.perf_counter() - t0, row.message,
+                   f"{row.detail}; {_name(reference)}: {died}")
     if row is not None:
         return row
     again, reference_died = _child([*command, "--backend", reference] + (["--autocast"] if autocast else []),
@@ -355,8 +374,9 @@ def main(argv=None) -> int:
     families = args.families.split(",") if args.families else [
         f for kind in args.kinds.split(",") for f in FAMILIES[kind]]
     if args.one:
-        row = sweep_family(families[0], args.backend, args.reference, args.autocast)
-        print(_ROW + json.dumps(dataclasses.asdict(row)), flush=True)
+        def report(row):
+            print(_ROW + json.dumps(dataclasses.asdict(row)), flush=True)
+        report(sweep_family(families[0], args.backend, args.reference, args.autocast, on_own_failure=report))
         return 0
     rows = []
     for family in families:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
+import json
 import os
 import re
 import sys
@@ -149,3 +151,31 @@ def test_a_family_whose_eager_step_fails_under_autocast_is_skipped_there():
     under --autocast that is no backend's failure (it was counted as one of both, 'shared')."""
     row = sweep.sweep_family("dbrx", "aotgrad_eager", "aot_eager", autocast=True)
     assert row.status == "skipped" and "index_add_" in row.message, row
+
+
+def test_a_backends_own_failure_is_reported_when_the_reference_then_does_not_end(monkeypatch):
+    """funnel under autocast: aotgrad's eval logits missed, then Inductor's re-run sat in its C++
+    tiling past the limit, and the row said only 'no row after 900 s' for both."""
+    failing = sweep.Row("funnel", "failing", 1.0, "AssertionError: eval logits", "against fp64: aotgrad: 3e-2")
+    script = (f"import time; print({sweep._ROW!r} + {json.dumps(dataclasses.asdict(failing))!r}, flush=True); "
+              "time.sleep(60)")
+    row, died = sweep._child([sys.executable, "-c", script], timeout_s=3)
+    assert row == failing and died == "no row after 3 s (stopped)", (row, died)
+    monkeypatch.setattr(sweep, "_child", lambda command, timeout_s: (row, died))
+    isolated = sweep.sweep_family_isolated("funnel", "aotgrad", "inductor")
+    assert isolated.status == "shared" and isolated.message == "AssertionError: eval logits", isolated
+    assert "aotgrad: 3e-2" in isolated.detail and "inductor: no row after 3 s" in isolated.detail, isolated
+
+
+def test_the_provisional_row_is_printed_before_the_reference_runs(monkeypatch):
+    heard = []
+
+    def train(family, backend, autocast=False):
+        assert backend == "aotgrad_eager" or heard, "the reference ran before the failure was reported"
+        raise AssertionError(f"{backend}: loss")
+
+    monkeypatch.setattr(sweep, "train_like_eager", train)
+    monkeypatch.setattr(sweep, "fp64_check", lambda family, backend: (False, f"{backend} off"))
+    row = sweep.sweep_family("gpt_neox", "aotgrad_eager", "aot_eager", on_own_failure=heard.append)
+    assert [r.status for r in heard] == ["failing"] and "aotgrad_eager: loss" in heard[0].message, heard
+    assert row.status == "shared", row
