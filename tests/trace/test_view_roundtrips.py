@@ -196,3 +196,27 @@ def test_every_size_symbolic_gives_eagers_values_and_gradients():
         (expected * expected.detach()).sum().backward()
         torch.testing.assert_close(q.grad, q2.grad)
         torch.testing.assert_close(r.grad, r2.grad)
+
+
+def test_a_fold_whose_layouts_cannot_be_redone_is_undone_whole(monkeypatch, caplog):
+    """The layout refresh runs fake ops on the folded values; one that refused (none is known to)
+    left a half-folded graph and torch's raw error. Now the graph goes on unfolded, as traced."""
+    from aotgrad.trace import capture, view_roundtrips
+
+    with monkeypatch.context() as off:
+        off.setattr(capture, "fold_view_roundtrips", lambda graph: 0)
+        unfolded = [gm.code for gm in _graphs(shifted_scores, None)]
+
+    def refuses(graph, start):
+        for node in start:
+            node.meta["val"] = None  # half redone, as a failure midway would leave it
+        raise RuntimeError("a fake op refused the new layout")
+
+    monkeypatch.setattr(view_roundtrips, "_refresh_layouts", refuses)
+    with caplog.at_level("WARNING", logger="aotgrad.trace"):
+        fw, bw = _graphs(shifted_scores, None)
+    assert "view round trips left unfolded" in caplog.text and "refused the new layout" in caplog.text
+    assert [fw.code, bw.code] == unfolded
+    assert all(isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, list, tuple))
+               for n in fw.graph.nodes if n.op == "call_function"), fw.code
+    run_both(shifted_scores, _inputs)

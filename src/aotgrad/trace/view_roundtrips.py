@@ -35,6 +35,8 @@ backward mutation, nor any value whose memory is written in place somewhere in t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx
 from torch.fx import Graph, Node
@@ -45,6 +47,8 @@ from .state import BACKWARD_MUTATION, INPUT_CLONE
 
 __all__ = ["fold_view_roundtrips"]
 
+log = logging.getLogger("aotgrad.trace")
+
 aten = torch.ops.aten
 _SAME_ORDER = {aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.clone.default}
 _LAYOUT_READERS = {aten.as_strided.default, aten.as_strided_scatter.default}  # read strides, not values
@@ -52,7 +56,27 @@ _LAYOUT_READERS = {aten.as_strided.default, aten.as_strided_scatter.default}  # 
 
 def fold_view_roundtrips(graph: Graph) -> int:
     """Point the readers of each read-back at the value it equals; returns how many were folded.
-    The folded nodes are left for dead-code elimination."""
+    The folded nodes are left for dead-code elimination. All or nothing: a fold whose recorded
+    layouts cannot be recomputed (a fake op refusing a new layout) is undone, and the graph,
+    correct unfolded, goes on as traced."""
+    before = {node: (node.target, node.args, node.kwargs, node.meta.get("val")) for node in graph.nodes}
+    try:
+        return _fold(graph)
+    except Exception as ex:  # noqa: BLE001 -- an optimisation: its failure must not fail the compile
+        _restore(graph, before)
+        log.warning("view round trips left unfolded (a recorded layout could not be redone: %s: %s); "
+                    "values are unchanged, a compiler may be slower on the read-backs", type(ex).__name__, ex)
+        return 0
+
+
+def _restore(graph: Graph, before: dict) -> None:
+    for node, (target, args, kwargs, val) in before.items():
+        node.target, node.args, node.kwargs = target, args, kwargs
+        if val is not None:
+            node.meta["val"] = val
+
+
+def _fold(graph: Graph) -> int:
     writes: dict[Node, int] = {}
     for node in graph.nodes:
         _note_writes(node, writes)
