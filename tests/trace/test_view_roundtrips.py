@@ -220,3 +220,23 @@ def test_a_fold_whose_layouts_cannot_be_redone_is_undone_whole(monkeypatch, capl
     assert all(isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, list, tuple))
                for n in fw.graph.nodes if n.op == "call_function"), fw.code
     run_both(shifted_scores, _inputs)
+
+
+def test_a_permuted_value_with_a_symbolic_size_is_known_not_to_view():
+    """funnel's batch-3 recompile under autocast: the fold handed a `view` a permuted input of shape
+    (4, s, 16, 32); ATen's rule cannot decide with `s` symbolic, the view was tried and raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from aotgrad.trace.analysis import view_fails, view_possible
+
+    x = torch.empty_strided((5, 4, 16, 32), (2048, 512, 32, 1))
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3)
+        fake = mode.from_tensor(x, symbolic_context=context)
+        permuted = fake.permute(1, 0, 2, 3)  # (4, s, 16, 32), strides (512, 2048, 32, 1)
+        s = permuted.shape[1]
+        assert view_possible(permuted.shape, permuted.stride(), [4, s * 16, 32]) is None
+        assert view_fails(permuted, [4, s * 16, 32])
+        assert not view_fails(permuted, [4, s, 512])
+        assert not view_fails(fake, [s * 4, 16, 32])

@@ -332,9 +332,19 @@ def _is_view_backward(name: str) -> bool:
 
 
 
-def can_view(value: torch.Tensor, shape) -> bool:
-    """Whether `value.view(shape)` works, by ATen's rule; True where a size is symbolic (left be)."""
-    return view_possible(value.shape, value.stride(), shape) is not False
+def view_fails(value: torch.Tensor, shape) -> bool:
+    """Whether `value.view(shape)` fails: by ATen's rule, or where a size is symbolic (the rule
+    cannot decide) by trying the view on the fake value. A permuted value with a symbolic size
+    (funnel's batch-3 recompile under autocast) fails where the rule leaves it undecided. The fake
+    view adds no guard the layout refresh's own replay of the graph does not."""
+    known = view_possible(value.shape, value.stride(), shape)
+    if known is not None:
+        return not known
+    try:
+        value.view(list(shape))
+    except (RuntimeError, ValueError):
+        return True
+    return False
 
 
 def view_possible(size, stride, shape) -> bool | None:

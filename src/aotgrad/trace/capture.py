@@ -496,7 +496,8 @@ def _copy_before_unviewable_views(graph: torch.fx.Graph) -> None:
         if n.target is not torch.ops.aten.view.default or not isinstance(n.args[0], torch.fx.Node):
             continue
         src = n.args[0].meta.get("val")
-        if not isinstance(src, torch.Tensor) or src.is_contiguous() or analysis.can_view(src, n.args[1]):
+        shape = torch.fx.node.map_arg(n.args[1], lambda a: a.meta.get("val"))
+        if not isinstance(src, torch.Tensor) or src.is_contiguous() or not analysis.view_fails(src, shape):
             continue
         with graph.inserting_before(n):
             dense = graph.call_function(

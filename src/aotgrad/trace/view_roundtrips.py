@@ -41,7 +41,7 @@ import torch
 import torch.fx
 from torch.fx import Graph, Node
 
-from .analysis import can_view
+from .analysis import view_fails
 from .cse import _DISTINGUISHING_META, _note_writes, _root, _values_reaching_outputs
 from .state import BACKWARD_MUTATION, INPUT_CLONE
 
@@ -56,23 +56,25 @@ _LAYOUT_READERS = {aten.as_strided.default, aten.as_strided_scatter.default}  # 
 
 def fold_view_roundtrips(graph: Graph) -> int:
     """Point the readers of each read-back at the value it equals; returns how many were folded.
-    The folded nodes are left for dead-code elimination. All or nothing: a fold whose recorded
-    layouts cannot be recomputed (a fake op refusing a new layout) is undone, and the graph,
+    The folded nodes are left for dead-code elimination. All or nothing: a fold that raises (a
+    fake op refusing a new layout while recorded layouts are redone) is undone, and the graph,
     correct unfolded, goes on as traced."""
     before = {node: (node.target, node.args, node.kwargs, node.meta.get("val")) for node in graph.nodes}
     try:
         return _fold(graph)
     except Exception as ex:  # noqa: BLE001 -- an optimisation: its failure must not fail the compile
-        _restore(graph, before)
-        log.warning("view round trips left unfolded (a recorded layout could not be redone: %s: %s); "
-                    "values are unchanged, a compiler may be slower on the read-backs", type(ex).__name__, ex)
+        _restore(before)
+        log.warning("view round trips left unfolded (%s: %s); values are unchanged, a compiler may be "
+                    "slower on the read-backs", type(ex).__name__, ex)
         return 0
 
 
-def _restore(graph: Graph, before: dict) -> None:
+def _restore(before: dict) -> None:
     for node, (target, args, kwargs, val) in before.items():
         node.target, node.args, node.kwargs = target, args, kwargs
-        if val is not None:
+        if val is None:
+            node.meta.pop("val", None)
+        else:
             node.meta["val"] = val
 
 
@@ -120,7 +122,7 @@ def _refresh_layouts(graph: Graph, start: set[Node]) -> None:
             continue
         old = node.meta.get("val")
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        if node.target is aten.view.default and not args[0].is_contiguous() and not can_view(args[0], args[1]):
+        if node.target is aten.view.default and not args[0].is_contiguous() and view_fails(args[0], args[1]):
             args = (args[0].contiguous(), *args[1:])
         new = node.target(*args, **kwargs)
         node.meta["val"] = new
