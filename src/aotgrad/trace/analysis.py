@@ -335,8 +335,8 @@ def _is_view_backward(name: str) -> bool:
 def view_fails(value: torch.Tensor, shape) -> bool:
     """Whether `value.view(shape)` fails: by ATen's rule, or where a size is symbolic (the rule
     cannot decide) by trying the view on the fake value. A permuted value with a symbolic size
-    (funnel's batch-3 recompile under autocast) fails where the rule leaves it undecided. The fake
-    view adds no guard the layout refresh's own replay of the graph does not."""
+    (funnel's batch-3 recompile under autocast) fails where the rule leaves it undecided. Trying it
+    may add the guards the view's own meta function adds, as the graph's replay on fake values does."""
     known = view_possible(value.shape, value.stride(), shape)
     if known is not None:
         return not known
