@@ -179,3 +179,19 @@ def test_the_provisional_row_is_printed_before_the_reference_runs(monkeypatch):
     row = sweep.sweep_family("gpt_neox", "aotgrad_eager", "aot_eager", on_own_failure=heard.append)
     assert [r.status for r in heard] == ["failing"] and "aotgrad_eager: loss" in heard[0].message, heard
     assert row.status == "shared", row
+
+
+def test_funnels_dynamic_recompile_under_autocast_folds_without_a_refused_view(caplog):
+    """funnel's batch-3 recompile under bf16 autocast handed a `view` a permuted value of symbolic
+    size that cannot view; the fold's layout refresh raised (then: left the graph unfolded)."""
+    model, kind = sweep.build("funnel")
+    compiled = torch.compile(copy.deepcopy(model), backend="aotgrad_eager")
+    with caplog.at_level("WARNING", logger="aotgrad.trace"):
+        for size in (2, 3):
+            inputs = sweep.batch(kind, size, size)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                expected, got = model(**inputs).loss, compiled(**inputs).loss
+            expected.backward()
+            got.backward()
+            torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert "left unfolded" not in caplog.text, caplog.text
