@@ -121,8 +121,8 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
     kw.update(_SET.get(family, {}))
     cfg = transformers.AutoConfig.for_model(family, **kw)
     for k, v in list(vars(cfg).items()):
-        if any(word in k for word in _RANDOM) and isinstance(v, (float, list)):  # CvT has a rate per stage
-            setattr(cfg, k, 0.0 if isinstance(v, float) else [0.0 if isinstance(x, float) else x for x in v])
+        if any(word in k for word in _RANDOM) and isinstance(v, (float, list, tuple)):  # CvT: a tuple, per stage
+            setattr(cfg, k, 0.0 if isinstance(v, float) else type(v)(0.0 if isinstance(x, float) else x for x in v))
     cfg.use_cache = False
     auto = dict(causal=transformers.AutoModelForCausalLM, mlm=transformers.AutoModelForMaskedLM,
                 s2s=transformers.AutoModelForSeq2SeqLM, tok=transformers.AutoModelForTokenClassification,

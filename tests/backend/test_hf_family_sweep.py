@@ -94,6 +94,17 @@ def test_a_backend_closer_to_fp64_than_eager_passes_as_fp64_and_a_wrong_one_does
     assert sweep.sweep_family("cancelling", off_by_a_thousandth, "aot_eager").status == "own"
 
 
+def test_a_rate_given_per_stage_as_a_tuple_is_zeroed_so_eager_repeats():
+    """CvT's `drop_path_rate` is a tuple (0.0, 0.0, 0.1): left at 0.1, eager's training loss changed
+    from call to call, and cvt was counted as failing under aotgrad and Inductor alike."""
+    model, kind = sweep.build("cvt")
+    assert model.config.drop_path_rate == (0.0, 0.0, 0.0), model.config.drop_path_rate
+    inputs = sweep.batch(kind, 2, 0)
+    with torch.no_grad():
+        first, second = model(**inputs).loss, model(**inputs).loss
+    assert torch.equal(first, second), (first, second)
+
+
 def test_a_family_that_cannot_be_built_is_skipped():
     assert sweep.sweep_family("no_such_family", "aotgrad_eager", "aot_eager").status == "skipped"
 
