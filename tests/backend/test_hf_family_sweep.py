@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -103,6 +104,23 @@ def test_a_rate_given_per_stage_as_a_tuple_is_zeroed_so_eager_repeats():
     with torch.no_grad():
         first, second = model(**inputs).loss, model(**inputs).loss
     assert torch.equal(first, second), (first, second)
+
+
+def test_a_family_whose_eager_loss_depends_on_the_rng_is_skipped_not_blamed(monkeypatch):
+    """A random rate the zeroing misses makes eager differ from itself: every backend then 'fails'."""
+
+    class Dropping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, input_ids, labels):
+            return types.SimpleNamespace(loss=torch.nn.functional.dropout(self.linear(input_ids.float()), 0.5).sum())
+
+    monkeypatch.setattr(sweep, "build", lambda family: (Dropping(), "causal"))
+    monkeypatch.setattr(sweep, "batch", lambda kind, size, seed: dict(input_ids=torch.ones(size, 4), labels=None))
+    row = sweep.sweep_family("dropping", "aotgrad_eager", "aot_eager")
+    assert row.status == "skipped" and "depends on the RNG" in row.message, row
 
 
 def test_a_family_that_cannot_be_built_is_skipped():
