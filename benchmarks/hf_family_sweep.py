@@ -246,7 +246,7 @@ def fp64_check(family: str, backend, autocast: bool = False) -> tuple[bool, str]
     the check (upstream adds an absolute 1e-3, which would pass a backend 0.1% off). It tells a
     backend that reorders sums in an ill-conditioned model (BatchNorm over two values per channel)
     from a wrong one. Returns whether it passes and the worst tensor."""
-    worst = (0.0, "", 0.0, 0.0)  # (excess over the allowance, where, backend's RMSE, fp32 eager's)
+    worst = (0.0, "", 0.0, 0.0)  # (excess over the allowance, where, backend's RMSE, eager's)
     try:
         for what, rows in _checks(family, backend, autocast, fp64=True):
             if any((c is None) != (e is None) for _, c, e, _ in rows):
@@ -305,8 +305,7 @@ def sweep_family(family: str, backend, reference, autocast: bool = False, on_own
     try:
         train_like_eager(family, reference, autocast)
         reference_passes, reference_verdict = True, "trains like eager"
-    except Exception as ex:  # noqa: BLE001
-        reference_passes, reference_verdict = False, _message(ex)[:80]
+    except Exception:  # noqa: BLE001
         reference_passes, reference_verdict = fp64_check(family, reference, autocast)
     status = "own" if reference_passes else "shared"
     fp64 = f"against fp64: {_name(backend)}: {verdict}; {_name(reference)}: {reference_verdict}"
