@@ -15,7 +15,7 @@ import torch.fx
 
 from .. import config
 from ..compile.compile import SAME_INPUTS_AS, placeholder_values
-from . import cpu_scatter, cudagraphs, donation, isa_probe
+from . import avg_pool_backward, cpu_scatter, cudagraphs, donation, isa_probe
 from .context import BackendCompileError, _compile_context, _graph_ids
 
 log = logging.getLogger("aotgrad.inductor")
@@ -201,6 +201,7 @@ class _InductorCompilers:
         from torch._inductor.compile_fx import compile_fx_inner
 
         cpu_scatter.route_to_aten(gm)
+        avg_pool_backward.route_to_aten(gm)
         example = placeholder_values(gm)
         out = gm.graph.output_node()
         outs = list(out.args[0])

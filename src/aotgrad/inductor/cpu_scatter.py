@@ -25,6 +25,7 @@ import torch.fx
 
 from ..torch_compat import optimization_hint
 from ..trace.analysis import is_view_op
+from .reroute import replace_call
 
 log = logging.getLogger("aotgrad.inductor")
 
@@ -80,11 +81,7 @@ def route_to_aten(gm: torch.fx.GraphModule) -> int:
         if not _on_cpu(node) or not isinstance(values, torch.fx.Node) or not _reads_transposed(values):
             continue
         args = [node.args[0], *node.args[1:values_at], values]
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, tuple(args))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        new = replace_call(gm, node, op, tuple(args))
         replaced += 1
         log.debug("aotgrad: %s of transposed-read values runs as an aten kernel (Inductor's C++ tiling "
                   "misaddresses an accumulating scatter)", new.name)
