@@ -251,6 +251,20 @@ def autocast_region():
 
 
 @check
+def ceil_mode_avg_pool_backward():
+    """HF EfficientNet's global pool: Inductor's lowering divides the overhanging window by the whole
+    kernel (CPU, torch 2.13: 3e-5 of eager's gradient); aotgrad routes it to aten on every device."""
+    torch._dynamo.reset()
+    pool = nn.AvgPool2d(1280, ceil_mode=True)
+    (x,) = leaves((2, 8, 7, 7))
+    weights = torch.randn(2, 8, 1, 1, device=DEV)
+    (pool(x) * weights).sum().backward()
+    expected, x.grad = x.grad, None
+    (torch.compile(pool, backend="aotgrad")(x) * weights).sum().backward()
+    close(x.grad, expected, "input gradient")
+
+
+@check
 def mincut_budget():
     def f(x, w):
         for _ in range(3):
