@@ -8,5 +8,6 @@ a backward sharing its forward's choice) and why a graph runs without them. `don
 backward write into saved intermediates nothing else holds (upstream's donated buffers). `isa_probe.py` runs
 Inductor's per-process CPU ISA probe in a thread while aotgrad loads or traces. `cpu_scatter.py`
 sends the accumulating CPU scatters that Inductor's C++ tiling would misaddress to aten, and
-`avg_pool_backward.py` the ceil-mode average-pool backwards it would divide wrongly. Sits below `cache/` (which reloads Inductor's code) and `backend/`.
+`avg_pool_backward.py` the ceil-mode average-pool backwards it would divide wrongly (both through
+`reroute.py`). Sits below `cache/` (which reloads Inductor's code) and `backend/`.
 """
