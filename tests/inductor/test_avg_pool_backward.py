@@ -22,7 +22,7 @@ import aotgrad  # noqa: F401  (registers the backend)
 ROUTED = "runs as an aten kernel"
 
 # (pool, input shape): EfficientNet's global pool at 32 px and at 224 px, a strided ceil-mode pool
-# with and without padding, a 3-d one, and Funnel Transformer's pooling of an odd-length sequence
+# with and without padding, a 3-d and a 1-d one, and Funnel Transformer's pooling of an odd-length sequence
 # (plain Inductor: the last position's gradient is half of eager's).
 OVERHANGING = [
     (torch.nn.AvgPool2d(320, ceil_mode=True), (2, 3, 1, 1)),
@@ -31,6 +31,7 @@ OVERHANGING = [
     (torch.nn.AvgPool2d(3, 2, 1, ceil_mode=True), (2, 3, 6, 6)),
     (torch.nn.AvgPool3d(3, 2, ceil_mode=True), (2, 3, 6, 6, 6)),
     (torch.nn.AvgPool2d((2, 1), (2, 1), ceil_mode=True), (2, 1, 7, 8)),  # Funnel's pooling, odd length
+    (torch.nn.AvgPool1d(3, 2, ceil_mode=True), (2, 3, 8)),  # decomposed into the 2-d backward
 ]
 
 
