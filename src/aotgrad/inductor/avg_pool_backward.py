@@ -28,32 +28,18 @@ log = logging.getLogger("aotgrad.inductor")
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("aotgrad::avg_pool2d_backward", mutates_args=())
-def avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int], stride: list[int],
-                        padding: list[int], ceil_mode: bool, count_include_pad: bool,
-                        divisor_override: Optional[int]) -> torch.Tensor:  # noqa: UP045
-    """`aten.avg_pool2d_backward`, which Inductor cannot lower."""
-    return _like(self, aten.avg_pool2d_backward.default(grad_output, self, kernel_size, stride, padding,
-                                                        ceil_mode, count_include_pad, divisor_override))
+def _define(aten_op: torch._ops.OpOverload, name: str):
+    """`aotgrad::NAME`: ATEN_OP itself, which Inductor cannot lower (it falls back to the kernel)."""
 
+    def run(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int], stride: list[int],
+            padding: list[int], ceil_mode: bool, count_include_pad: bool,
+            divisor_override: Optional[int]) -> torch.Tensor:  # noqa: UP045
+        return _like(self, aten_op(grad_output, self, kernel_size, stride, padding, ceil_mode,
+                                   count_include_pad, divisor_override))
 
-@avg_pool2d_backward.register_fake
-def _(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    return torch.empty_like(self)
-
-
-@torch.library.custom_op("aotgrad::avg_pool3d_backward", mutates_args=())
-def avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int], stride: list[int],
-                        padding: list[int], ceil_mode: bool, count_include_pad: bool,
-                        divisor_override: Optional[int]) -> torch.Tensor:  # noqa: UP045
-    """`aten.avg_pool3d_backward`, which Inductor cannot lower."""
-    return _like(self, aten.avg_pool3d_backward.default(grad_output, self, kernel_size, stride, padding,
-                                                        ceil_mode, count_include_pad, divisor_override))
-
-
-@avg_pool3d_backward.register_fake
-def _(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    return torch.empty_like(self)
+    op = torch.library.custom_op(f"aotgrad::{name}", run, mutates_args=())
+    op.register_fake(lambda grad_output, self, *args: torch.empty_like(self))
+    return getattr(torch.ops.aotgrad, name).default
 
 
 def _like(self: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -63,10 +49,8 @@ def _like(self: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(self).copy_(grad)
 
 
-_ROUTES = {
-    aten.avg_pool2d_backward.default: torch.ops.aotgrad.avg_pool2d_backward.default,
-    aten.avg_pool3d_backward.default: torch.ops.aotgrad.avg_pool3d_backward.default,
-}
+_ROUTES = {op: _define(op, op.name().split("::")[1].split(".")[0])
+           for op in (aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)}
 _ARGUMENTS = ("grad_output", "self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
               "divisor_override")
 
